@@ -1,0 +1,282 @@
+"""One YAML schema for every run: typed sections with defaults, validated by pydantic.
+
+`load_config(source, overrides)` accepts a YAML path, a nested dict, or a `Config`, plus
+`key.path=value` overrides (as `--set` gives them). Every problem found is reported at once in
+one `ConfigError`, each naming the key path, the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+ASSETS_DIR = PACKAGE_DIR / "assets"
+# The bundled default config lives in the repository's configs/ (the package is installed editable
+# or run from the checkout, as under `ray job submit --working-dir .`).
+DEFAULT_CONFIG_PATH = PACKAGE_DIR.parent / "configs" / "tiny.yaml"
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors, and ints are not silently turned into strings or bools.
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = "tiny-moe"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tokenizer: Optional[str] = None  # defaults to `path`
+
+
+class ParallelConfig(_Section):
+    tensor: int = Field(1, ge=1)
+    data: int = Field(1, ge=1)
+    executor: Literal["ray", "local"] = "local"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_worker: Optional[int] = Field(None, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.data
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    num_kv_blocks: Union[Literal["auto"], int] = "auto"
+    kv_cache_memory: ByteSize = Field(ByteSize(256 * 2**20), gt=0)
+    max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
+
+    @model_validator(mode="after")
+    def _check(self):
+        if isinstance(self.num_kv_blocks, int) and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: got {self.num_kv_blocks}; use 'auto' or an integer >= 1")
+        return self
+
+
+class SpeculativeConfig(_Section):
+    method: Literal["none", "ngram", "draft_model", "dspark"] = "none"
+    draft_model: Optional[str] = None
+    num_tokens: int = Field(4, ge=0, le=64)
+    draft_workers: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.method in ("draft_model", "dspark") and not self.draft_model:
+            raise ValueError(f"draft_model: method {self.method!r} needs a draft_model path")
+        return self
+
+
+class EplbConfig(_Section):
+    enabled: bool = False
+    num_redundant_experts: int = Field(0, ge=0)
+    window_steps: int = Field(100, ge=1)
+    interval_steps: int = Field(200, ge=1)
+    policy: Literal["global", "hierarchical"] = "global"
+
+
+class WorkloadConfig(_Section):
+    kind: Literal["prompts", "synthetic", "jsonl"] = "prompts"
+    path: Optional[str] = None  # jsonl file for kind=jsonl; default prompt set for kind=prompts
+    num_requests: int = Field(32, ge=1)
+    prompt_len: list[int] = Field(default_factory=lambda: [8, 256], min_length=2, max_length=2)
+    output_len: list[int] = Field(default_factory=lambda: [8, 128], min_length=2, max_length=2)
+    request_rate: float = Field(0.0, ge=0)  # requests/s, Poisson; 0 = all at once
+    temperature: float = Field(0.0, ge=0)
+    seed: int = 0
+
+
+class ReportConfig(_Section):
+    out_dir: str = "runs"
+    name: Optional[str] = None
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    eplb: EplbConfig = Field(default_factory=EplbConfig)
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def resolve_path(path: str, base_dir: Optional[Path] = None) -> Path:
+    """A relative path is looked up beside the config file (or the working folder), then among
+    the bundled assets, so `path: tiny-moe` works from any folder."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    for root in (base_dir or Path.cwd(), ASSETS_DIR):
+        if (root / p).exists():
+            return (root / p).resolve()
+    return ((base_dir or Path.cwd()) / p).resolve()
+
+
+def parse_overrides(overrides) -> dict:
+    """['a.b=1', 'c=x'] or {'a.b': 1} -> nested dict; values are parsed as YAML scalars."""
+    if not overrides:
+        return {}
+    items = overrides.items() if isinstance(overrides, dict) else []
+    problems = []
+    if not isinstance(overrides, dict):
+        parsed = []
+        for item in overrides:
+            key, sep, raw = str(item).partition("=")
+            if not sep or not key.strip():
+                problems.append(f"--set {item!r}: expected key.path=value, e.g. parallel.tensor=2")
+                continue
+            try:
+                parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+            except yaml.YAMLError as e:
+                problems.append(f"--set {item!r}: value is not valid YAML ({e.__class__.__name__})")
+        items = parsed
+    if problems:
+        raise ConfigError(problems)
+    nested: dict = {}
+    for key, value in items:
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: cannot set below the scalar {part!r}")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _format_pydantic(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+        # Literal/union errors repeat the location with the branch name; keep the key path.
+        loc = ".".join(p for p in loc.split(".") if not p.startswith(("literal[", "int", "lax-or-strict")))
+        value = e.get("input")
+        if e["type"] == "extra_forbidden":
+            parent = loc.rsplit(".", 1)[0] if "." in loc else ""
+            problems.append(f"{loc}: unknown key; accepted keys: {', '.join(_known_keys(parent))}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            problems.append(f"{loc}: got {value!r}; {msg}" if loc else msg)
+    # unions report each branch; keep one line per distinct message
+    return list(dict.fromkeys(problems))
+
+
+def _known_keys(parent: str) -> list[str]:
+    cls: Any = Config
+    for part in filter(None, parent.split(".")):
+        field = cls.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        cls = field.annotation
+    return list(cls.model_fields)
+
+
+def load_config(source: Union[None, str, os.PathLike, dict, Config] = None, overrides=None) -> Config:
+    """Build a validated Config.
+
+    source: a YAML path, a nested dict of values (like the YAML), a Config, or None for the bundled
+    default (configs/tiny.yaml). overrides: ['key.path=value', ...] or {'key.path': value}.
+    Relative model paths are resolved against the YAML file's folder, then the bundled assets.
+    """
+    base_dir = None
+    if source is None:
+        source = DEFAULT_CONFIG_PATH
+    if isinstance(source, Config):
+        data = source.to_dict()
+    elif isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML path such as configs/tiny.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+        base_dir = path.resolve().parent
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_pydantic(e)) from None
+    cfg.model.path = str(resolve_path(cfg.model.path, base_dir))
+    if cfg.model.tokenizer:
+        cfg.model.tokenizer = str(resolve_path(cfg.model.tokenizer, base_dir))
+    if cfg.speculative.draft_model:
+        cfg.speculative.draft_model = str(resolve_path(cfg.speculative.draft_model, base_dir))
+    problems = check_against_model(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def read_hf_config(path: Union[str, Path]) -> Optional[dict]:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text())
+
+
+def check_against_model(cfg: Config) -> list[str]:
+    """Checks that need the checkpoint's config.json: the topology must divide the model."""
+    problems = []
+    hf = read_hf_config(cfg.model.path)
+    if hf is None:
+        return [f"model.path: got {cfg.model.path!r}; expected a folder with config.json and *.safetensors"]
+    tp, world = cfg.parallel.tensor, cfg.parallel.world_size
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads and heads % tp:
+        problems.append(f"parallel.tensor: got {tp}; it must divide the model's {heads} attention heads")
+    elif kv_heads and kv_heads % tp and tp % kv_heads:
+        problems.append(f"parallel.tensor: got {tp}; it must divide, or be a multiple of, the {kv_heads} KV heads")
+    experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts") or 0
+    slots = experts + cfg.eplb.num_redundant_experts
+    if experts and slots % world:
+        problems.append(
+            f"parallel: tensor x data = {world} must divide the {experts} experts + "
+            f"{cfg.eplb.num_redundant_experts} redundant (eplb.num_redundant_experts) = {slots} expert slots"
+        )
+    if not experts and cfg.eplb.enabled:
+        problems.append("eplb.enabled: got True; the model has no experts, set eplb.enabled=false")
+    if cfg.eplb.num_redundant_experts and experts and cfg.eplb.num_redundant_experts > experts * (world - 1):
+        problems.append(
+            f"eplb.num_redundant_experts: got {cfg.eplb.num_redundant_experts}; at most {experts * (world - 1)} "
+            "replicas fit without two copies of one expert on a rank"
+        )
+    max_pos = hf.get("max_position_embeddings")
+    if cfg.scheduler.max_model_len and max_pos and cfg.scheduler.max_model_len > max_pos:
+        problems.append(
+            f"scheduler.max_model_len: got {cfg.scheduler.max_model_len}; the model supports at most {max_pos}"
+        )
+    if cfg.parallel.executor == "local" and world > 1:
+        problems.append(f"parallel.executor: 'local' runs one device, but tensor x data = {world}; use executor: ray")
+    if cfg.parallel.device == "cuda" and cfg.parallel.backend == "gloo" and world > 1:
+        pass  # gloo on CUDA works (slowly); allowed for debugging
+    if cfg.parallel.device == "cpu" and cfg.parallel.backend == "nccl":
+        problems.append("parallel.backend: got 'nccl'; NCCL needs CUDA devices, use 'gloo' or 'auto' with device cpu")
+    if cfg.speculative.draft_model and not (Path(cfg.speculative.draft_model) / "config.json").is_file():
+        problems.append(f"speculative.draft_model: got {cfg.speculative.draft_model!r}; no config.json there")
+    return problems

@@ -1,0 +1,146 @@
+"""The in-process engine (`executor: local`): scheduler, paged KV cache and one model on one device.
+
+`add_request` validates and queues; `step` runs one iteration of continuous batching and returns
+the tokens each request gained. `LLM` drives it; the Ray router drives the same scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from .config import Config
+from .errors import RequestError
+from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
+from .model.loader import load_model
+from .model.spec import ModelSpec, load_spec
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .step import build_step_input, execute_step
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(path) -> Optional[object]:
+    """The checkpoint's tokenizer, or None when it ships none (then prompts must be token ids)."""
+    p = Path(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+@dataclass
+class TokenEvent:
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    seq: Sequence
+
+
+class LLMEngine:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        if cfg.parallel.threads_per_worker:
+            torch.set_num_threads(cfg.parallel.threads_per_worker)
+        self.device = resolve_device(cfg.parallel.device)
+        self.spec: ModelSpec = load_spec(cfg.model.path, cfg.model.dtype)
+        self.model = load_model(cfg.model.path, self.spec, device=self.device)
+        sc = cfg.scheduler
+        self.block_size = sc.block_size
+        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
+        allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
+        self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
+        self.block_manager = BlockManager(self.num_blocks, sc.block_size)
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.seqs: dict[str, Sequence] = {}
+        self.step_stats: list[dict] = []
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt: got text, but the checkpoint has no tokenizer; pass token ids (list[int])")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError(f"prompt: got {type(prompt).__name__}; expected a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params: got {type(params).__name__}; expected SamplingParams")
+        ids = self.encode(prompt)
+        if not ids:
+            raise RequestError("prompt: empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one new token); shorten the prompt or raise scheduler.max_model_len"
+            )
+        capacity = self.num_blocks * self.block_size
+        if len(ids) + 1 > capacity:
+            raise RequestError(
+                f"prompt: {len(ids)} tokens do not fit the KV cache ({capacity} tokens); "
+                "raise scheduler.kv_cache_memory or num_kv_blocks"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.seqs:
+            raise RequestError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, len(ids), params, self.spec.eos_token_ids)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        events = [TokenEvent(s.request_id, [], True, s.finish_reason, s) for s in sched.finished]
+        if not sched.scheduled:
+            return events
+        step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
+        out = execute_step(self.model, step_in, self.device)
+        rows = [sched.scheduled[r].seq.seq_id for r in step_in.sample_rows.tolist()]
+        sampled = {sid: [tok] for sid, tok in zip(rows, out.sampled.tolist())}
+        for seq, new in self.scheduler.update(sched.scheduled, sampled):
+            events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
+        self.step_stats.append(
+            {
+                "time": time.monotonic(),
+                "step_time_s": time.perf_counter() - t0,
+                "num_seqs": len(sched.scheduled),
+                "num_tokens": sched.num_tokens,
+                "kv_blocks_used": self.block_manager.num_used,
+                "num_preempted": len(sched.preempted),
+            }
+        )
+        return events
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's state."""
+        self.seqs.pop(request_id, None)

@@ -1,0 +1,142 @@
+"""Load one shard of an HF safetensors checkpoint into a DecoderModel.
+
+The shard is `(tp_rank, tp_size)` plus the list of experts it holds. Only the tensors (and, for
+split tensors, only the rows or columns) that this shard needs are read from disk:
+safetensors' `get_slice` reads a slice without materialising the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+from .layers import LocalComm
+from .model import DecoderModel
+from .spec import ModelSpec
+
+# Parameters split along dim 0 (output features / vocabulary) and dim 1 (input features).
+_COLUMN = re.compile(r"(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
+_ROW = re.compile(r"(o_proj|down_proj)\.weight$")
+
+
+class CheckpointReader:
+    """Name -> file index over a folder of *.safetensors; reads tensors or slices on demand."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no *.safetensors files; save the model with safe_serialization")
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {k: self.path / v for k, v in weight_map.items()}
+        else:
+            self.where = {}
+            for f in files:
+                with safe_open(str(f), "pt") as h:
+                    for k in h.keys():
+                        self.where[k] = f
+        self._handles = {}
+        self.bytes_read = 0
+
+    def _handle(self, f):
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), "pt")
+        return self._handles[f]
+
+    def has(self, name):
+        return name in self.where
+
+    def read(self, name, dim=None, start=0, length=None):
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        sl = self._handle(self.where[name]).get_slice(name)
+        if dim is None:
+            t = sl[:]
+        elif dim == 0:
+            t = sl[start : start + length]
+        else:
+            t = sl[:, start : start + length]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def _hf_names(name: str, spec: ModelSpec, expert_ids):
+    """Our parameter name -> list of checkpoint names (several are concatenated along dim 0)."""
+    m = re.match(r"model\.layers\.(\d+)\.mlp\.(.*)", name)
+    if m:
+        layer, rest = m.groups()
+        prefix = f"model.layers.{layer}.{spec.expert_prefix}"
+        g, u, d = spec.expert_names
+        if rest == "w13":
+            return [f"{prefix}.experts.{e}.{w}.weight" for e in expert_ids for w in (g, u)]
+        if rest == "w2":
+            return [f"{prefix}.experts.{e}.{d}.weight" for e in expert_ids]
+        if rest == "e_score_correction_bias":
+            return [f"{prefix}.gate.e_score_correction_bias"]
+        if rest.startswith("shared."):
+            return [f"{prefix}.{spec.shared_prefix}.{rest[len('shared.'):]}"]
+        return [f"{prefix}.{rest}"]
+    if name == "lm_head.weight" and spec.tie_word_embeddings:
+        return ["model.embed_tokens.weight"]
+    return [name]
+
+
+def load_weights(model: DecoderModel, reader: CheckpointReader):
+    """Fill every parameter and persistent buffer of `model` from the checkpoint."""
+    spec, comm = model.spec, model.comm
+    tp_rank, tp_size = comm.tp_rank, comm.tp_size
+    tensors = dict(model.named_parameters())
+    tensors.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    for name, param in tensors.items():
+        expert_ids = None
+        if name.endswith((".w13", ".w2")):
+            moe = model.get_submodule(name.rsplit(".", 1)[0])
+            expert_ids = moe.expert_ids
+        sources = _hf_names(name, spec, expert_ids)
+        if name.endswith(".w13") or name.endswith(".w2"):
+            parts = [reader.read(s) for s in sources]
+            full = torch.cat(parts, 0) if name.endswith(".w13") else torch.stack(parts)
+            value = full.view(param.shape) if full.numel() == param.numel() else full
+        elif _COLUMN.search(name) and tp_size > 1:
+            length = param.shape[0]
+            start = tp_rank * length
+            if re.search(r"(k_proj|v_proj)\.", name) and spec.num_kv_heads < tp_size:
+                # fewer KV heads than ranks: each rank holds the one KV head its query heads use
+                start = (tp_rank * spec.num_kv_heads // tp_size) * spec.head_dim
+            value = reader.read(sources[0], 0, start, length)
+        elif _ROW.search(name) and tp_size > 1:
+            length = param.shape[1]
+            value = reader.read(sources[0], 1, tp_rank * length, length)
+        else:
+            value = reader.read(sources[0])
+        if tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{reader.path}: tensor {sources[0]!r} has shape {tuple(value.shape)}, expected "
+                f"{tuple(param.shape)} for this shard (tp_rank={tp_rank}, tp_size={tp_size})"
+            )
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") -> DecoderModel:
+    """Build the shard of `spec` described by `comm` (tp rank/size) and `expert_ids`, and load it.
+
+    Parameters are created on the meta device and materialised once, so nothing is initialised
+    that the checkpoint then overwrites.
+    """
+    comm = comm or LocalComm()
+    with torch.device("meta"):
+        model = DecoderModel(spec, comm, expert_ids)
+    model = model.to(dtype=spec.dtype).to_empty(device=device)
+    model.reset_buffers()
+    reader = CheckpointReader(path)
+    load_weights(model, reader)
+    model.bytes_read = reader.bytes_read
+    return model.eval().requires_grad_(False)

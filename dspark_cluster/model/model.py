@@ -1,0 +1,113 @@
+"""The decoder: embeddings, layers (attention + dense MLP or MoE), final norm, LM head.
+
+One class covers every supported family; `ModelSpec` says which attention and MLP each layer has.
+`forward` takes a flat batch of new tokens (prefill chunks and decodes mixed) and returns hidden
+states; `compute_logits` is applied only to the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata
+from .layers import MLP, GQAAttention, LocalComm, MLAttention, MoE, RMSNorm
+from .spec import ModelSpec, rope_inv_freq
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, comm, expert_ids=None):
+        super().__init__()
+        self.comm = comm
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = (MLAttention if spec.attention == "mla" else GQAAttention)(spec, comm)
+        self.is_moe = spec.moe_layers[layer_idx]
+        if self.is_moe:
+            self.mlp = MoE(spec, comm, expert_ids)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        h = self.post_attention_layernorm(x)
+        out = self.mlp(h)
+        return x + (out if self.is_moe else self.comm.all_reduce(out))
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding table split along the vocabulary; out-of-shard ids contribute zeros, summed over TP."""
+
+    def __init__(self, vocab_size, hidden, comm):
+        super().__init__()
+        self.comm = comm
+        self.shard = -(-vocab_size // comm.tp_size)
+        self.start = comm.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.empty(min(self.shard, vocab_size - self.start), hidden))
+
+    def forward(self, ids):
+        if self.comm.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[:, None]
+        return self.comm.all_reduce(out)
+
+
+class DecoderModel(nn.Module):
+    """HF-compatible causal LM for one shard: parameter names match the checkpoint's."""
+
+    def __init__(self, spec: ModelSpec, comm=None, expert_ids=None):
+        super().__init__()
+        self.spec = spec
+        self.comm = comm or LocalComm()
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, self.comm)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(spec, i, self.comm, expert_ids) for i in range(spec.num_layers)
+        )
+        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
+        inv_freq, self.rope_scaling = rope_inv_freq(spec)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_buffers(self):
+        """Recompute derived (non-checkpoint) buffers after materialising from the meta device."""
+        device = self.lm_head.weight.device
+        self.inv_freq = rope_inv_freq(self.spec)[0].to(device)
+        for moe in self.moe_layers:
+            moe.set_expert_ids(moe.expert_ids)
+
+    @property
+    def attention_layers(self):
+        return [layer.self_attn for layer in self.model.layers]
+
+    @property
+    def moe_layers(self):
+        return [layer.mlp for layer in self.model.layers if layer.is_moe]
+
+    def rope(self, positions, dtype):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden):
+        """hidden [N, hidden] -> fp32 logits [N, vocab] (gathered over the vocab shards)."""
+        logits = self.lm_head(hidden).float()
+        if self.comm.tp_size > 1:
+            logits = self.comm.all_gather(logits, dim=-1)[:, : self.spec.vocab_size]
+        return logits
+
+    def expert_load(self) -> torch.Tensor:
+        """[num_moe_layers, num_experts] tokens routed per logical expert in the last forward."""
+        loads = [m.last_load for m in self.moe_layers if m.last_load is not None]
+        return torch.stack(loads) if loads else torch.zeros(0, self.spec.num_experts, dtype=torch.long)

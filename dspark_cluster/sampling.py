@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, and batched sampling over them.
+
+Seeded requests draw their noise from a generator keyed by (seed, output position), so a token
+depends only on the request and where it is, not on batch composition, preemption or replays.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import RequestError
+
+
+class SamplingParams(BaseModel):
+    """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable the filters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: Optional[int] = Field(None, ge=0)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    speculative: bool = True  # per-request switch for speculative decoding
+
+    def __init__(self, **kwargs):
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as e:
+            problems = []
+            for err in e.errors():
+                field = ".".join(str(x) for x in err["loc"])
+                problems.append(f"SamplingParams.{field}: got {err.get('input')!r}; {err['msg']}")
+            raise RequestError("; ".join(problems)) from None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """Temperature, top-k and top-p applied per row. logits [B, V] fp32; temperature/top_p [B]
+    float, top_k [B] long (0 = off). Greedy rows (temperature 0) are left unscaled. Returns the
+    processed logits, -inf outside each row's nucleus; softmax of them is the sampling law."""
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits = logits / temp[:, None]
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1.0).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+        remove |= torch.arange(V, device=logits.device)[None, :] >= k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # drop a token once the mass before it already reaches top_p (the top token always stays)
+        remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _noise(shape_row: int, seed: int, position: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
+    return torch.empty(shape_row, device=device).exponential_(generator=g)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, positions):
+    """Sample one token per row. logits [B, V] fp32; seeds [B] long (-1 = unseeded); positions [B]
+    long (index of the token being generated, for seeding). Uses the exponential-race form
+    argmax(p / E), E ~ Exp(1), which draws exactly from p. Returns token ids [B] long."""
+    greedy = temperature == 0
+    argmax = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return argmax
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i in torch.nonzero(seeds >= 0).flatten().tolist():
+        noise[i] = _noise(probs.shape[1], int(seeds[i]), int(positions[i]), probs.device)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, argmax, sampled)

@@ -1,0 +1,142 @@
+"""Iteration-level scheduler: which sequences run in the next step, and with how many tokens.
+
+Each step mixes decodes and prefill chunks under `max_num_seqs` and `max_num_batched_tokens`.
+Running sequences go first (oldest first); when KV blocks run out the newest running sequence is
+preempted by recompute (its blocks are freed, its tokens kept, and it rejoins the front of the
+queue). Waiting requests are admitted in arrival order, their prompts chunked to fit the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so the next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (KV capacity)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove a request wherever it is and free its blocks; returns the removed sequences."""
+        removed = [s for s in list(self.waiting) + self.running if s.request_id == request_id]
+        for s in removed:
+            self._finish(s, "abort")
+        return removed
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+        seq.finish_time = time.monotonic()
+        self.blocks.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0  # recompute: the tokens are kept, their KV is rebuilt later
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n) and self.running[-1] is not seq:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+                if i == 0:  # alone and still out of blocks: the pool cannot hold this sequence
+                    self._finish(seq, "kv_cache_full")
+                    out.finished.append(seq)
+                else:
+                    self._preempt(seq)
+                    out.preempted.append(seq)
+                break
+            self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # admitting new work in a step that had to preempt would only thrash
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+                if self.running:
+                    break
+                # nothing else runs: take the chunk that fits (add() guarantees the prompt fits)
+                n = self.blocks.num_free * self.blocks.block_size - seq.num_computed_tokens
+            self.waiting.popleft()
+            self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def update(self, scheduled: list[ScheduledSeq], sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
+        """Advance sequences after a step. sampled: seq_id -> accepted new tokens (sampling rows
+        only). Returns (sequence, new tokens) for every sequence that produced tokens; finished
+        ones are removed and their blocks freed."""
+        now = time.monotonic()
+        events = []
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.seq_id not in sampled:
+                continue
+            new = []
+            for tok in sampled[seq.seq_id]:
+                new.append(tok)
+                if seq.append(tok, self.max_model_len, now):
+                    self._finish(seq, seq.finish_reason)
+                    break
+            events.append((seq, new))
+        return events

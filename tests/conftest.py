@@ -1,0 +1,94 @@
+"""Tiny HF checkpoints for every supported architecture, built with transformers per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+VOCAB = 160
+
+ARCHS = {
+    "deepseek_v3": lambda: __import__("transformers").DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, initializer_range=0.1,
+        max_position_embeddings=512,
+    ),
+    "deepseek_v3_noqlora": lambda: __import__("transformers").DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
+        topk_group=1, first_k_dense_replace=0, norm_topk_prob=False, initializer_range=0.1,
+        max_position_embeddings=512,
+    ),
+    "qwen3_moe": lambda: __import__("transformers").Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, max_position_embeddings=512,
+    ),
+    "qwen2_moe": lambda: __import__("transformers").Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], initializer_range=0.1,
+        max_position_embeddings=512,
+    ),
+    "mixtral": lambda: __import__("transformers").MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+        max_position_embeddings=512,
+    ),
+    "llama": lambda: __import__("transformers").LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=512,
+    ),
+    "qwen3": lambda: __import__("transformers").Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=512,
+    ),
+}
+
+
+def build_checkpoint(arch: str, path, seed: int = 0):
+    """Random-weight checkpoint of `arch`, saved as transformers saves it (per-expert tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = ARCHS[arch]()
+    cfg.eos_token_id = 1
+    cfg.bos_token_id = 0
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # non-zero so the bias path is exercised
+                buf.normal_(0, 0.3)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch) -> path of a tiny random checkpoint (built once per session)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = build_checkpoint(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def random_prompts(lengths, seed=0, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
