@@ -92,7 +92,16 @@ class WorkloadConfig(_Section):
     output_len: list[int] = Field(default_factory=lambda: [8, 128], min_length=2, max_length=2)
     request_rate: float = Field(0.0, ge=0)  # requests/s, Poisson; 0 = all at once
     temperature: float = Field(0.0, ge=0)
+    ignore_eos: bool = True  # fixed output lengths make runs comparable
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}: got [{lo}, {hi}]; expected [min, max] with 1 <= min <= max")
+        return self
 
 
 class ReportConfig(_Section):

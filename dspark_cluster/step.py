@@ -81,7 +81,7 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD)."""
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
     ids = step.input_ids.to(device)
-    hidden = model(ids, positions.to(device), meta.to(device))
+    hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype))
     last = torch.cumsum(step.query_lens, 0) - 1  # last new token of each sequence
     sampled = torch.empty(0, dtype=torch.long)
     if sample_tokens and step.sample_rows.numel():

@@ -8,7 +8,7 @@ mask built from positions, so a batch can mix prefill chunks and decodes of any 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +22,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; masked out)
     token_to_padded: torch.Tensor  # [T] index into the flattened [B * max_q] query layout
     padded_to_token: torch.Tensor  # [B * max_q] index into [T + 1]; T is a zero pad row
-    attn_mask: torch.Tensor  # [B, 1, max_q, S] bool, True = attend
+    attn_mask: torch.Tensor  # [B, 1, max_q, S] additive: 0 = attend, -inf = masked
     max_q: int
     num_seqs: int
+    _folded: dict = field(default_factory=dict)
 
-    def to(self, device) -> "AttentionMetadata":
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+    def to(self, device, dtype=torch.float32) -> "AttentionMetadata":
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items() if k != "_folded"}
+        kw["attn_mask"] = self.attn_mask.to(device=device, dtype=dtype)
         return AttentionMetadata(**kw)
+
+    def folded_mask(self, group: int) -> torch.Tensor:
+        """The mask for `group` query heads folded into the query axis: [B, 1, group * max_q, S]."""
+        if group not in self._folded:
+            self._folded[group] = self.attn_mask.repeat(1, 1, group, 1) if group > 1 else self.attn_mask
+        return self._folded[group]
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int):
@@ -62,7 +70,7 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
         block_tables=block_tables,
         token_to_padded=token_to_padded,
         padded_to_token=padded_to_token,
-        attn_mask=mask[:, None],
+        attn_mask=torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))[:, None],
         max_q=max_q,
         num_seqs=B,
     )
@@ -73,26 +81,25 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     """q [T, Hq, Dk]; k_new [T, Hkv, Dk], v_new [T, Hkv, Dv] are this step's keys/values.
     k_cache [num_blocks, block_size, Hkv, Dk], v_cache [..., Dv] (v_cache may be None: then the
     values are the first Dv channels of the keys, as in MLA's latent cache). Returns [T, Hq, Dv].
+    SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
+
+    The G = Hq / Hkv query heads that share a KV head are folded into the query axis, so SDPA
+    runs with Hkv heads and no KV copies (its own GQA path is many times slower on CPU).
     """
     T, Hq, Dk = q.shape
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    k_flat[meta.slot_mapping] = k_new
+    Hkv, Dv = k_new.shape[1], v_new.shape[-1]
+    G = Hq // Hkv
+    k_cache.view(-1, Hkv, Dk)[meta.slot_mapping] = k_new
     if v_cache is not None:
-        v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping] = v_new
-    B, nb = meta.block_tables.shape
-    keys = k_cache[meta.block_tables].view(B, -1, *k_cache.shape[2:])  # [B, S, Hkv, Dk]
+        v_cache.view(-1, Hkv, Dv)[meta.slot_mapping] = v_new
+    B, max_q = meta.num_seqs, meta.max_q
+    keys = k_cache[meta.block_tables].view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
     if v_cache is not None:
-        values = v_cache[meta.block_tables].view(B, -1, *v_cache.shape[2:])
+        values = v_cache[meta.block_tables].view(B, -1, Hkv, Dv).transpose(1, 2)
     else:
-        values = keys[..., : v_new.shape[-1]]
-    q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)])[meta.padded_to_token].view(B, meta.max_q, Hq, Dk)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=meta.attn_mask,
-        scale=scale,
-        enable_gqa=keys.shape[2] != Hq,
-    )  # [B, Hq, max_q, Dv]
-    out = out.transpose(1, 2).reshape(B * meta.max_q, Hq, -1)
+        values = keys  # MLA: the latent is the key's head; the extra rope channels are cut below
+    q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)])[meta.padded_to_token]  # [B * max_q, Hq, Dk]
+    q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
+    out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
     return out[meta.token_to_padded]

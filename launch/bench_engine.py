@@ -1,0 +1,109 @@
+"""Decode throughput of the in-process engine against transformers `generate`, same checkpoint,
+same thread count, measured in the same run.
+
+    python launch/bench_engine.py [--model PATH] [--threads 1] [--repeats 3]
+
+Cases: batch 1 with a 128-token prompt, and batch 16 with prompt lengths mixed around 128; 128 new
+tokens each, greedy, EOS ignored. Decode tokens/s excludes the prefill (time to first token),
+measured separately for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dspark_cluster import LLM, SamplingParams  # noqa: E402
+from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+
+
+def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    if batch == 1:
+        lengths = [128]
+    else:
+        lengths = torch.randint(64, 193, (batch,), generator=g).tolist()  # mixed, mean ~128
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def time_ours(llm: LLM, prompts, new_tokens: int):
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    total = time.perf_counter() - t0
+    prefill = max(o.metrics["ttft_s"] for o in outs)
+    return total, prefill, [o.token_ids for o in outs]
+
+
+def time_hf(model, prompts, new_tokens: int, pad_id: int):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - t0
+    return total, prefill, [row[width:].tolist() for row in out]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(args.model, config={"model": {"dtype": "float32"}, "parallel": {"threads_per_worker": args.threads}})
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    vocab = llm.engine.spec.vocab_size
+    results = []
+    for batch in (1, 16):
+        prompts = prompts_for(batch, vocab)
+        time_ours(llm, prompts, 8)  # warm-up both sides
+        time_hf(hf, prompts, 8, 0)
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # interleaved so drift hits both alike
+            ours.append(time_ours(llm, prompts, args.new_tokens))
+            theirs.append(time_hf(hf, prompts, args.new_tokens, 0))
+        n_dec = batch * (args.new_tokens - 1)
+        ours_dec = statistics.median(n_dec / (t - p) for t, p, _ in ours)
+        hf_dec = statistics.median(n_dec / (t - p) for t, p, _ in theirs)
+        ours_e2e = statistics.median(batch * args.new_tokens / t for t, _, _ in ours)
+        hf_e2e = statistics.median(batch * args.new_tokens / t for t, _, _ in theirs)
+        same = sum(a == b for a, b in zip(ours[0][2], theirs[0][2]))
+        results.append(dict(batch=batch, prompt_lens=[len(p) for p in prompts], ours_decode_tok_s=ours_dec,
+                            hf_decode_tok_s=hf_dec, decode_ratio=ours_dec / hf_dec, ours_e2e_tok_s=ours_e2e,
+                            hf_e2e_tok_s=hf_e2e, e2e_ratio=ours_e2e / hf_e2e, identical_outputs=f"{same}/{batch}"))
+    print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours e2e tok/s | transformers e2e tok/s | ratio | same greedy output |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['batch']} | {r['ours_decode_tok_s']:.0f} | {r['hf_decode_tok_s']:.0f} | {r['decode_ratio']:.2f}x | "
+              f"{r['ours_e2e_tok_s']:.0f} | {r['hf_e2e_tok_s']:.0f} | {r['e2e_ratio']:.2f}x | {r['identical_outputs']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
