@@ -22,7 +22,7 @@ from .model.spec import ModelSpec, load_spec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .step import build_step_input, execute_step
+from .step import StepInput, StepOutput, build_step_input, execute_step
 
 
 def resolve_device(device: str) -> torch.device:
@@ -52,18 +52,41 @@ class TokenEvent:
     seq: Sequence
 
 
-class LLMEngine:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+class LocalExecutor:
+    """`executor: local`: the whole model on one device in this process."""
+
+    def __init__(self, cfg: Config, spec: ModelSpec):
         if cfg.parallel.threads_per_worker:
             torch.set_num_threads(cfg.parallel.threads_per_worker)
         self.device = resolve_device(cfg.parallel.device)
-        self.spec: ModelSpec = load_spec(cfg.model.path, cfg.model.dtype)
-        self.model = load_model(cfg.model.path, self.spec, device=self.device)
+        self.model = load_model(cfg.model.path, spec, device=self.device)
         sc = cfg.scheduler
-        self.block_size = sc.block_size
         self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
         allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return execute_step(self.model, step, self.device)
+
+    def shutdown(self) -> None:
+        self.model = None
+
+
+def make_executor(cfg: Config, spec: ModelSpec):
+    if cfg.parallel.executor == "local":
+        return LocalExecutor(cfg, spec)
+    from .cluster import Cluster
+
+    return Cluster(cfg, spec)
+
+
+class LLMEngine:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.spec: ModelSpec = load_spec(cfg.model.path, cfg.model.dtype)
+        self.executor = make_executor(cfg, self.spec)
+        sc = cfg.scheduler
+        self.block_size = sc.block_size
+        self.num_blocks = self.executor.num_blocks
         self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
         self.block_manager = BlockManager(self.num_blocks, sc.block_size)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len)
@@ -124,7 +147,7 @@ class LLMEngine:
         if not sched.scheduled:
             return events
         step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
-        out = execute_step(self.model, step_in, self.device)
+        out = self.executor.execute(step_in)
         rows = [sched.scheduled[r].seq.seq_id for r in step_in.sample_rows.tolist()]
         sampled = {sid: [tok] for sid, tok in zip(rows, out.sampled.tolist())}
         for seq, new in self.scheduler.update(sched.scheduled, sampled):
@@ -140,6 +163,9 @@ class LLMEngine:
             }
         )
         return events
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's state."""

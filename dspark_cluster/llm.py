@@ -126,7 +126,9 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self.engine = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
     def __enter__(self):
         return self

@@ -30,13 +30,15 @@ class StepInput:
     seeds: torch.Tensor  # [S] long, -1 = unseeded
     positions_out: torch.Tensor  # [S] long, index of the output token being sampled
     block_size: int
+    return_logits: bool = False  # diagnostics (parity tests): also return the sampled rows' logits
 
 
 @dataclass
 class StepOutput:
     sampled: torch.Tensor  # [S] token ids, aligned with StepInput.sample_rows (driver rank only)
     expert_load: Optional[torch.Tensor] = None  # [num_moe_layers, num_experts] routed tokens
-    step_time_s: float = 0.0
+    slot_load: Optional[torch.Tensor] = None  # [num_moe_layers, slots] tokens this rank's slots computed
+    logits: Optional[torch.Tensor] = None  # [S, vocab], only when StepInput.return_logits
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int) -> StepInput:
@@ -84,6 +86,7 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
     hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype))
     last = torch.cumsum(step.query_lens, 0) - 1  # last new token of each sequence
     sampled = torch.empty(0, dtype=torch.long)
+    logits = None
     if sample_tokens and step.sample_rows.numel():
         logits = model.compute_logits(hidden[last[step.sample_rows].to(device)])
         sampled = sample(
@@ -96,4 +99,7 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
         ).cpu()
     elif step.sample_rows.numel() and model.comm.tp_size > 1:
         model.compute_logits(hidden[last[step.sample_rows].to(device)])  # joins the vocab all-gather
-    return StepOutput(sampled=sampled, expert_load=model.expert_load().cpu())
+    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
+    return StepOutput(sampled=sampled, expert_load=model.expert_load().cpu(),
+                      slot_load=torch.stack(slot).cpu() if slot else None,
+                      logits=logits.cpu() if step.return_logits and logits is not None else None)

@@ -92,3 +92,24 @@ def hf_model(path):
 def random_prompts(lengths, seed=0, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray instance for the whole session: two simulated nodes of 4 CPUs each."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+    cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def alive_actors(class_name: str) -> int:
+    from ray.util.state import list_actors
+
+    return sum(1 for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == class_name)

@@ -193,32 +193,25 @@ def route(logits: torch.Tensor, spec: ModelSpec, correction_bias=None):
     return weights * spec.routed_scaling_factor, ids
 
 
-def grouped_expert_forward(x, topk_ids, topk_weights, w13, w2, local_ids):
-    """Run tokens through the experts this shard holds, grouped per expert.
+def run_experts(xs, slots, w13, w2):
+    """Run each row through the expert in its local slot, grouped per slot.
 
-    x [T, H]; topk_ids / topk_weights [T, k] (logical expert ids); w13 [E_local, 2I, H];
-    w2 [E_local, H, I]; local_ids [E_total] -> local slot or -1. Returns ([T, H] weighted sum over
-    the local experts, counts [E_local] tokens per local expert).
+    xs [N, H]; slots [N] long in [0, n_slots); w13 [n_slots, 2I, H]; w2 [n_slots, H, I].
+    Returns (ys [N, H] unweighted expert outputs, counts [n_slots] rows per slot).
     """
-    T, k = topk_ids.shape
-    slot = local_ids[topk_ids].flatten()  # [T*k]
-    order = torch.argsort(slot, stable=True)
-    counts = torch.bincount(slot[slot >= 0], minlength=w13.shape[0])
-    n_skip = int((slot < 0).sum())
-    token_of = torch.arange(T, device=x.device).repeat_interleave(k)[order][n_skip:]
-    weight_of = topk_weights.flatten()[order][n_skip:]
-    xs = x[token_of]
-    out = torch.empty_like(xs)
+    order = torch.argsort(slots, stable=True)
+    counts = torch.bincount(slots, minlength=w13.shape[0])
+    xs_sorted = xs[order]
+    ys_sorted = torch.empty_like(xs_sorted)
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate_up = xs[start : start + n] @ w13[e].T
-            g, u = gate_up.chunk(2, dim=-1)
-            out[start : start + n] = (F.silu(g) * u) @ w2[e].T
+            gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
+            ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
             start += n
-    y = torch.zeros_like(x)
-    y.index_add_(0, token_of, out * weight_of[:, None].to(out.dtype))
-    return y, counts
+    ys = torch.empty_like(ys_sorted)
+    ys[order] = ys_sorted
+    return ys, counts
 
 
 class MoE(nn.Module):
@@ -246,6 +239,7 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.dispatch = None  # parallel/ sets an expert-parallel dispatcher
         self.last_load = None  # [E] tokens routed to each logical expert in the last forward
+        self.last_slot_load = None  # [n_slots] tokens this shard's expert slots computed
 
     def set_expert_ids(self, expert_ids):
         """Which logical experts the stacked w13/w2 rows hold, in order."""
@@ -260,8 +254,10 @@ class MoE(nn.Module):
         self.last_load = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         if self.dispatch is not None:
             routed = self.dispatch(self, x, ids, weights)
-        else:
-            routed, _ = grouped_expert_forward(x, ids, weights, self.w13, self.w2, self.local_ids)
+        else:  # every expert is local
+            token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
+            ys, self.last_slot_load = run_experts(x[token_of], self.local_ids[ids.flatten()], self.w13, self.w2)
+            routed = torch.zeros_like(x).index_add_(0, token_of, ys * weights.flatten()[:, None].to(ys.dtype))
         if self.spec.shared_intermediate_size:
             shared = self.comm.all_reduce(self.shared(x))
             if self.spec.shared_expert_gate:

@@ -126,7 +126,8 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
 
 
 def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") -> DecoderModel:
-    """Build the shard of `spec` described by `comm` (tp rank/size) and `expert_ids`, and load it.
+    """Build the shard of `spec` described by `comm` (tp rank/size) and `expert_ids` (per MoE
+    layer, the logical experts of this shard's slots; None = all experts), and load it.
 
     Parameters are created on the meta device and materialised once, so nothing is initialised
     that the checkpoint then overwrites.

@@ -64,8 +64,11 @@ class DecoderModel(nn.Module):
         self.comm = comm or LocalComm()
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, self.comm)
+        # expert_ids: per MoE layer (in order), the logical experts this shard's slots hold
+        moe_index = [sum(spec.moe_layers[:i]) for i in range(spec.num_layers)]
         self.model.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.comm, expert_ids) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, self.comm, expert_ids[moe_index[i]] if expert_ids is not None else None)
+            for i in range(spec.num_layers)
         )
         self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)

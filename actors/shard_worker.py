@@ -1,0 +1,105 @@
+"""ShardWorker: one Ray actor per device, holding one shard of the target model.
+
+A thin shell: it joins the process groups, loads only its own slices, allocates its KV blocks and
+runs `execute_step` on each StepInput (SPMD: every rank gets the same one). The driver rank
+returns sampled token ids; every rank returns its expert load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class ShardWorker:
+    def __init__(self, cfg: dict, rank: int, world_size: int, threads: int = 1):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        torch.set_num_threads(threads)
+        from dspark_cluster.config import load_config
+
+        self.cfg = load_config(cfg)
+        self.rank = rank
+        self.world_size = world_size
+        self.model = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This worker's node IP and a free port there (asked of rank 0 for the rendezvous)."""
+        from parallel.state import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, device: str, phy2log=None) -> dict:
+        """Join the groups and load this rank's shard. Returns what this rank holds."""
+        from dspark_cluster.engine import resolve_device
+        from dspark_cluster.model.loader import load_model
+        from dspark_cluster.model.spec import load_spec
+        from dspark_cluster.placement import default_placement, placement_from_phy2log
+        from parallel.comm import TensorParallelComm
+        from parallel.expert_parallel import ExpertParallelDispatch
+        from parallel.state import init_parallel
+
+        cfg = self.cfg
+        if device == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = resolve_device(device)
+        self.state = init_parallel(self.rank, self.world_size, cfg.parallel.tensor, master_addr, master_port,
+                                   cfg.parallel.backend, self.device)
+        self.spec = spec = load_spec(cfg.model.path, cfg.model.dtype)
+        comm = TensorParallelComm(self.state)
+        num_moe = sum(spec.moe_layers)
+        expert_ids = None
+        if spec.is_moe and self.world_size > 1:
+            if phy2log is not None:
+                self.placement = placement_from_phy2log(torch.as_tensor(phy2log), spec.num_experts, self.world_size)
+            else:
+                self.placement = default_placement(num_moe, spec.num_experts, self.world_size,
+                                                   cfg.eplb.num_redundant_experts)
+            expert_ids = [self.placement.rank_experts(layer, self.rank) for layer in range(num_moe)]
+        self.model = load_model(cfg.model.path, spec, comm, expert_ids, device=self.device)
+        if expert_ids is not None:
+            for layer, moe in enumerate(self.model.moe_layers):
+                moe.dispatch = ExpertParallelDispatch(self.state, self.placement, layer)
+        return self.memory_report()
+
+    def memory_report(self) -> dict:
+        expert = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n.endswith((".w13", ".w2")))
+        total = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())  # params + persistent buffers
+        return {
+            "rank": self.rank,
+            "tp_rank": self.state.tp_rank,
+            "param_bytes": total,
+            "expert_param_bytes": expert,
+            "bytes_read": self.model.bytes_read,
+            "experts": [m.expert_ids for m in self.model.moe_layers],
+            "device": str(self.device),
+            "node": self.node_address()[0],
+            "node_id": __import__("ray").get_runtime_context().get_node_id(),
+        }
+
+    def kv_blocks_that_fit(self, block_size: int, memory_bytes: int, num_kv_blocks) -> int:
+        from dspark_cluster.kv_cache import plan_num_blocks
+
+        return plan_num_blocks(self.model, block_size, memory_bytes, num_kv_blocks)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        from dspark_cluster.kv_cache import allocate_kv_cache
+
+        allocate_kv_cache(self.model, num_blocks, block_size, self.device)
+
+    def step(self, step_input):
+        from dspark_cluster.step import execute_step
+
+        out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0)
+        return out
+
+    def comm_stats(self) -> dict:
+        return self.state.stats.snapshot()
+
+    def shutdown(self) -> None:
+        from parallel.state import shutdown_parallel
+
+        self.model = None
+        shutdown_parallel()

@@ -1,0 +1,159 @@
+"""`executor: ray`: the target model sharded over ShardWorker actors.
+
+`Cluster` checks the topology against the Ray cluster before starting anything, reserves one
+placement group per TP group (STRICT_PACK keeps a TP group on one node), starts the workers,
+has them rendezvous at rank 0's node and load their shards, and sizes the KV pool to what every
+worker can hold. Each step is one round: the same StepInput goes to every worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .config import Config
+from .errors import CheckpointError, ConfigError, DSparkError
+from .model.spec import ModelSpec
+from .step import StepInput, StepOutput
+
+
+def ensure_ray(num_workers: int = 1):
+    """Join the Ray cluster of this job (`ray job submit`, RAY_ADDRESS) or start a local one."""
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)
+        else:
+            # a laptop: CPU workers are 1-thread processes, so allow more of them than cores
+            ray.init(num_cpus=max(os.cpu_count() or 1, num_workers + 2), log_to_driver=False)
+    return ray
+
+
+def check_resources(cfg: Config, ray) -> str:
+    """Refuse a topology the cluster cannot host. Returns the device kind ("cuda" or "cpu")."""
+    world, tp = cfg.parallel.world_size, cfg.parallel.tensor
+    total = ray.cluster_resources()
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    device = cfg.parallel.device
+    if device == "auto":
+        device = "cuda" if total.get("GPU", 0) >= world else "cpu"
+    key = "GPU" if device == "cuda" else "CPU"
+    have = int(total.get(key, 0))
+    if have < world:
+        raise ConfigError(
+            f"parallel: tensor x data = {world} workers, but the Ray cluster has {have} {key} devices; "
+            "lower parallel.tensor / parallel.data or add nodes"
+        )
+    if max((int(n.get(key, 0)) for n in nodes), default=0) < tp:
+        raise ConfigError(
+            f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
+        )
+    return device
+
+
+class Cluster:
+    def __init__(self, cfg: Config, spec: ModelSpec):
+        ray = ensure_ray(cfg.parallel.world_size)
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from actors.shard_worker import ShardWorker
+
+        self.cfg, self.spec, self._ray = cfg, spec, ray
+        self._remove_pg = remove_placement_group
+        world, tp = cfg.parallel.world_size, cfg.parallel.tensor
+        device = check_resources(cfg, ray)
+        self.device = device
+        bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+        self.placement_groups, self.workers = [], []
+        threads = cfg.parallel.threads_per_worker or 1
+        try:
+            for g in range(cfg.parallel.data):
+                pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK")
+                self.placement_groups.append(pg)
+            ray.get([pg.ready() for pg in self.placement_groups], timeout=120)
+            actor_cls = ray.remote(ShardWorker)
+            for rank in range(world):
+                pg = self.placement_groups[rank // tp]
+                self.workers.append(
+                    actor_cls.options(
+                        num_cpus=1,
+                        num_gpus=1 if device == "cuda" else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=rank % tp
+                        ),
+                    ).remote(cfg.to_dict(), rank, world, threads)
+                )
+            addr, port = ray.get(self.workers[0].node_address.remote())
+            self.reports = self._get([w.setup.remote(addr, port, device) for w in self.workers])
+            sc = cfg.scheduler
+            fits = self._get([w.kv_blocks_that_fit.remote(sc.block_size, int(sc.kv_cache_memory), sc.num_kv_blocks)
+                              for w in self.workers])
+            self.num_blocks = min(fits)
+            self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size) for w in self.workers])
+            self._compile()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _get(self, refs):
+        """ray.get that surfaces a worker's own exception (CheckpointError, ...) unwrapped."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return self._ray.get(refs)
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, DSparkError):
+                raise cause from None
+            raise CheckpointError(f"a shard worker failed: {e}") from None
+        except RayActorError as e:
+            raise DSparkError(f"a shard worker died: {e}") from None
+
+    def _compile(self):
+        """A Ray compiled graph over the workers' `step`: one StepInput in, every rank's output
+        back, through shared-memory channels instead of a task submission per worker."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step_input:
+            dag = MultiOutputNode([w.step.bind(step_input) for w in self.workers])
+        self._dag = dag.experimental_compile()
+
+    def execute(self, step: StepInput) -> StepOutput:
+        outs = self._get(self._dag.execute(step))
+        out = outs[0]  # rank 0 samples; every rank reports the load its expert slots computed
+        if out.slot_load is not None:
+            out.slot_load = torch.stack([o.slot_load for o in outs])  # [world, layers, slots per rank]
+        return out
+
+    def debug_logits(self, step: StepInput) -> torch.Tensor:
+        """Run one step and return rank 0's logits of the sampled rows (parity checks only)."""
+        step.return_logits = True
+        return self.execute(step).logits
+
+    def comm_stats(self) -> list[dict]:
+        return self._get([w.comm_stats.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        if getattr(self, "_dag", None) is not None:
+            try:
+                self._dag.teardown()
+            except Exception:
+                pass
+            self._dag = None
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        for pg in self.placement_groups:
+            try:
+                self._remove_pg(pg)
+            except Exception:
+                pass
+        self.workers, self.placement_groups = [], []
+        time.sleep(0)  # actors die asynchronously; their resources return shortly

@@ -1,0 +1,98 @@
+"""Process groups for one target world: world = data x tensor; TP groups of consecutive ranks;
+one EP group over the whole world. NCCL on CUDA devices, gloo on CPU (backend `auto`)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """A free TCP port on this node (the launcher asks rank 0's node for one)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+@dataclass
+class CommStats:
+    """Bytes each rank sends per kind of collective (payload, not protocol overhead)."""
+
+    bytes: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0})
+    calls: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0})
+
+    def add(self, kind: str, nbytes: int):
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: object
+    ep_group: object
+    tp_ranks: list
+    device: torch.device
+    stats: CommStats = field(default_factory=CommStats)
+
+
+def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, master_port: int,
+                  backend: str, device: torch.device, timeout_s: float = 300.0) -> ParallelState:
+    """Join the target world and build its TP and EP groups (collective: every rank calls this)."""
+    from datetime import timedelta
+
+    backend = resolve_backend(backend, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    tp_group = None
+    tp_ranks = []
+    for start in range(0, world_size, tp_size):
+        ranks = list(range(start, start + tp_size))
+        group = dist.new_group(ranks)  # every rank creates every group, as torch requires
+        if rank in ranks:
+            tp_group, tp_ranks = group, ranks
+    return ParallelState(
+        rank=rank,
+        world_size=world_size,
+        tp_size=tp_size,
+        tp_rank=rank % tp_size,
+        dp_rank=rank // tp_size,
+        tp_group=tp_group,
+        ep_group=dist.group.WORLD,
+        tp_ranks=tp_ranks,
+        device=device,
+    )
+
+
+def shutdown_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
