@@ -1,4 +1,4 @@
-"""`dspark run [CONFIG] [--set key.path=value ...]`: run an experiment on a config."""
+"""Command line: `dspark run`, `dspark kv-plan` (and `dspark serve`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ from .errors import DSparkError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark", description="DSpark Cluster: MoE serving experiments")
+    p = argparse.ArgumentParser(prog="dspark", description="DSpark Cluster: MoE serving on Ray")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the workload of a config and write a report")
-    run.add_argument("config", nargs="?", default=None, help="YAML config (default: the bundled configs/tiny.yaml)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                     help="override a config value, e.g. --set scheduler.max_num_seqs=16 (repeatable)")
+
+    def with_config(cmd):
+        cmd.add_argument("config", nargs="?", default=None, help="YAML config (default: the bundled configs/tiny.yaml)")
+        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                         help="override a config value, e.g. --set scheduler.max_num_seqs=16 (repeatable)")
+        return cmd
+
+    run = with_config(sub.add_parser("run", help="run the config's workload and write a report"))
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plan = with_config(sub.add_parser("kv-plan", help="KV cache capacity per worker"))
+    plan.add_argument("--context-len", type=int, default=None, help="context length for the sequences-at-once column")
     return p
 
 
@@ -25,11 +31,17 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "run":
-            from .runner import format_summary, run_experiment
+            from .report import format_summary
+            from .runner import run_experiment
 
             report = run_experiment(cfg, progress=not args.no_progress)
             print(format_summary(report["summary"]))
-            print(f"report: {report['out_dir']}/report.json")
+            print(f"report: {report['out_dir']}/")
+        elif args.command == "kv-plan":
+            from .kv_plan import format_kv_plan, kv_plan
+            from .model.spec import load_spec
+
+            print(format_kv_plan(kv_plan(cfg, load_spec(cfg.model.path, cfg.model.dtype), args.context_len)))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -157,3 +157,42 @@ class Cluster:
                 pass
         self.workers, self.placement_groups = [], []
         time.sleep(0)  # actors die asynchronously; their resources return shortly
+
+
+def ray_get(refs, timeout=None):
+    """ray.get that re-raises this package's errors (RequestError, ConfigError, ...) as themselves."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayTaskError as e:
+        cause = e.as_instanceof_cause()
+        if isinstance(cause, DSparkError):
+            raise cause from None
+        raise
+
+
+def start_router(cfg: Config):
+    """Start the Router actor (it starts the shard workers) and wait until it serves."""
+    ray = ensure_ray(cfg.parallel.world_size)
+    from actors.router import Router
+
+    check_resources(cfg, ray)  # refuse before any actor starts
+    router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(cfg.to_dict())
+    try:
+        ray_get(router.start.remote())
+    except BaseException:
+        ray.kill(router, no_restart=True)
+        raise
+    return router
+
+
+def stop_router(router) -> None:
+    import ray
+
+    try:
+        ray.get(router.shutdown.remote(), timeout=60)
+    except Exception:
+        pass
+    ray.kill(router, no_restart=True)

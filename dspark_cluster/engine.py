@@ -108,6 +108,13 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
+        """Validate and queue a request; raises RequestError naming what is wrong."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.enqueue(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> Sequence:
+        """Validation without touching the scheduler (safe from another thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params: got {type(params).__name__}; expected SamplingParams")
@@ -125,13 +132,13 @@ class LLMEngine:
                 f"prompt: {len(ids)} tokens do not fit the KV cache ({capacity} tokens); "
                 "raise scheduler.kv_cache_memory or num_kv_blocks"
             )
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.seqs:
-            raise RequestError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, len(ids), params, self.spec.eos_token_ids)
-        self.seqs[request_id] = seq
+        return Sequence(request_id or uuid.uuid4().hex, ids, len(ids), params, self.spec.eos_token_ids)
+
+    def enqueue(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise RequestError(f"request_id: {seq.request_id!r} is already in use")
+        self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 from .config import Config, load_config
-from .engine import LLMEngine
+from .engine import LLMEngine, load_tokenizer
 from .errors import RequestError
 from .sampling import SamplingParams
 
@@ -60,8 +60,16 @@ class LLM:
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, config=None):
         overrides = {"model.path": str(model)} if model is not None else None
         self.config = load_config(config, overrides)
-        self.engine = LLMEngine(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.engine = None  # executor: local -- the engine runs in this process
+        self.router = None  # executor: ray -- a Router actor owns the engine and the shard workers
+        if self.config.parallel.executor == "ray":
+            from .cluster import start_router
+
+            self.router = start_router(self.config)
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
+        else:
+            self.engine = LLMEngine(self.config)
+            self.tokenizer = self.engine.tokenizer
 
     # ---- generation ------------------------------------------------------------------------
     def _params_list(self, n, params) -> list[SamplingParams]:
@@ -78,6 +86,10 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = self._params_list(len(prompts), params)
+        if self.router is not None:
+            from .cluster import ray_get
+
+            return ray_get(self.router.generate.remote(list(prompts), plist))
         ids = []
         try:
             for p, sp in zip(prompts, plist):
@@ -94,6 +106,9 @@ class LLM:
         return [self._output(rid) for rid in ids]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamPiece]:
+        if self.router is not None:
+            yield from self._stream_router(prompt, params or SamplingParams())
+            return
         rid = self.engine.add_request(prompt, params or SamplingParams())
         detok = _Detokenizer(self.tokenizer)
         seq = self.engine.seqs[rid]
@@ -110,6 +125,20 @@ class LLM:
             if not seq.finished:
                 self.engine.abort_request(rid)  # the consumer stopped early: free the KV
             self.engine.release(rid)
+
+    def _stream_router(self, prompt, params) -> Iterator[StreamPiece]:
+        from .cluster import ray_get
+
+        rid = ray_get(self.router.submit.remote(prompt, params))
+        finished = False
+        try:
+            for ref in self.router.stream.options(num_returns="streaming").remote(rid):
+                piece = ray_get(ref)
+                finished = piece.finished
+                yield piece
+        finally:
+            if not finished:
+                self.router.abort.remote(rid)
 
     def _output(self, rid: str) -> RequestOutput:
         seq = self.engine.seqs[rid]
@@ -129,6 +158,11 @@ class LLM:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.router is not None:
+            from .cluster import stop_router
+
+            stop_router(self.router)
+            self.router = None
 
     def __enter__(self):
         return self

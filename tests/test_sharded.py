@@ -41,7 +41,10 @@ def test_sharded_logits_and_greedy_match_transformers(arch, tensor, checkpoint, 
     feed = random_prompts([DECODE_STEPS] * len(LENGTHS), seed=22)
     llm = ray_llm(path, tensor)
     try:
-        cluster = llm.engine.executor
+        import ray
+
+        class cluster:  # the Cluster lives in the Router actor
+            debug_logits = staticmethod(lambda step: ray.get(llm.router.debug_logits.remote(step)))
         tables = torch.arange(len(LENGTHS) * 8).view(len(LENGTHS), 8)  # 8 blocks of 4 per sequence
         errs = []
         with torch.no_grad():
@@ -81,7 +84,7 @@ def test_each_worker_holds_only_its_shard(tensor, checkpoint, ray_cluster):
             replicated += nbytes
     llm = ray_llm(path, tensor)
     try:
-        reports = llm.engine.executor.reports
+        reports = __import__("ray").get(llm.router.worker_reports.remote())
         assert len(reports) == tensor
         held = [e for r in reports for e in r["experts"][0]]
         assert sorted(held) == list(range(8))  # every expert on exactly one rank
@@ -132,8 +135,10 @@ def test_tp_groups_stay_on_one_node(checkpoint, ray_cluster):
     a = ray_llm(path, 4)
     b = ray_llm(path, 4)  # the first group fills one 4-CPU node, so this one must take the other
     try:
-        nodes_a = {r["node_id"] for r in a.engine.executor.reports}
-        nodes_b = {r["node_id"] for r in b.engine.executor.reports}
+        import ray
+
+        nodes_a = {r["node_id"] for r in ray.get(a.router.worker_reports.remote())}
+        nodes_b = {r["node_id"] for r in ray.get(b.router.worker_reports.remote())}
         assert len(nodes_a) == 1 and len(nodes_b) == 1 and nodes_a != nodes_b
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         prompt = random_prompts([5], seed=23)

@@ -1,0 +1,51 @@
+"""Prometheus metrics through Ray's metrics API (exported by each node's metrics agent)."""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class RayMetrics:
+    """Per-request and per-step metrics, named like vLLM's with a dspark_ prefix."""
+
+    def __init__(self, model_name: str):
+        tags = ("model",)
+        self.tags = {"model": model_name}
+        h = lambda name, desc: Histogram(name, desc, boundaries=_LATENCY, tag_keys=tags)  # noqa: E731
+        self.ttft = h("dspark_time_to_first_token_seconds", "Time from arrival to the first output token")
+        self.tpot = h("dspark_time_per_output_token_seconds", "Mean time per output token after the first")
+        self.itl = h("dspark_inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = h("dspark_e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.step_time = h("dspark_step_time_seconds", "Wall time of one engine step")
+        self.requests = Counter("dspark_requests_finished_total", "Finished requests", tag_keys=("model", "finish_reason"))
+        self.gen_tokens = Counter("dspark_generation_tokens_total", "Output tokens", tag_keys=tags)
+        self.prompt_tokens = Counter("dspark_prompt_tokens_total", "Prompt tokens", tag_keys=tags)
+        self.preemptions = Counter("dspark_preemptions_total", "Sequences preempted (recompute)", tag_keys=tags)
+        self.running = Gauge("dspark_num_running_seqs", "Sequences in the last step", tag_keys=tags)
+        self.step_tokens = Gauge("dspark_step_tokens", "Tokens in the last step", tag_keys=tags)
+        self.kv_used = Gauge("dspark_kv_blocks_used", "KV cache blocks in use", tag_keys=tags)
+
+    def observe_step(self, s: dict) -> None:
+        self.step_time.observe(s["step_time_s"], self.tags)
+        self.running.set(s["num_seqs"], self.tags)
+        self.step_tokens.set(s["num_tokens"], self.tags)
+        self.kv_used.set(s["kv_blocks_used"], self.tags)
+        if s["num_preempted"]:
+            self.preemptions.inc(s["num_preempted"], self.tags)
+
+    def observe_request(self, seq) -> None:
+        m = seq.metrics()
+        if m["ttft_s"] is not None:
+            self.ttft.observe(m["ttft_s"], self.tags)
+        if m["num_output_tokens"] > 1:
+            self.tpot.observe(m["tpot_s"], self.tags)
+        for gap in m["itl_s"]:
+            self.itl.observe(gap, self.tags)
+        if m["e2e_s"] is not None:
+            self.e2e.observe(m["e2e_s"], self.tags)
+        self.requests.inc(1, {**self.tags, "finish_reason": seq.finish_reason or "unknown"})
+        if m["num_output_tokens"]:
+            self.gen_tokens.inc(m["num_output_tokens"], self.tags)
+        self.prompt_tokens.inc(m["num_prompt_tokens"], self.tags)

@@ -1,0 +1,473 @@
+"""Expert-parallel load balancing (EPLB): the policy that decides where each expert's replicas go.
+
+Pure functions on CPU tensors, no process groups and no state; the mechanism (moving expert weights
+between workers, swapping the placement in while requests keep flowing) lives elsewhere. Layers are
+independent. Shapes: L layers, E logical experts, S physical slots (E + redundant), R ranks,
+N nodes, G expert groups. Slots are numbered rank after rank: rank r holds slots
+[r * S/R, (r + 1) * S/R); node n holds ranks [n * R/N, (n + 1) * R/N).
+
+    phy2log, log2phy, replica_count = rebalance(load, num_slots, num_groups, num_nodes, num_ranks)
+
+Policy (after DeepSeek's open-source EPLB, with two changes: never two replicas of one expert on
+one rank, and a refinement pass after the greedy packing):
+
+1. Replication: the S - E redundant slots go one at a time to the expert with the highest load per
+   replica (load / replica count), among experts that have fewer replicas than there are ranks to
+   hold them (a rank never holds two replicas of one expert, so more would be useless).
+2. Packing: each replica carries load / replica_count of its expert. Replicas sorted heaviest first,
+   each goes to the lightest rank that still has a free slot and does not hold that expert yet
+   (ranks hold exactly S/R slots). Should no rank qualify, one replica is first moved from a full
+   rank to a rank with room (always possible, see `_unstick`).
+3. Refinement: repeatedly swap a replica of the heaviest rank with a lighter replica of another rank,
+   taking the swap that leaves the pair's heavier side lightest, while that is lighter than the
+   heaviest rank was (slot counts and the no-duplicate rule kept); stops when no swap helps or
+   after a bounded number of swaps. Never worse than the greedy placement it starts from.
+
+"global" runs 1-3 over all slots and ranks. "hierarchical" (DeepSeek-V3's group-limited routing)
+first packs whole expert groups onto nodes (steps 2-3 with groups as items and nodes as bins, so
+that node loads are balanced), then runs 1-3 inside each node with its S/N slots and R/N ranks, so
+every expert's replicas stay on the node of its group. "auto" is hierarchical when G % N == 0.
+
+Per layer the result is also compared with the contiguous placement (slot s holds expert s mod E)
+when that placement obeys the policy's rules, and the contiguous one is kept if its busiest rank is
+strictly lighter, so `rebalance` is never worse than not rebalancing at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .placement import placement_from_phy2log
+
+POLICIES = ("auto", "global", "hierarchical")
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+
+
+def rank_load(load: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Tokens per rank: load [L, E], phy2log [L, S] -> [L, R] float64, each expert's load split
+    evenly over its replicas. Raises ValueError when an expert with load has no slot."""
+    load = _as_load(load)
+    phy2log = torch.as_tensor(phy2log).long()
+    L, E = load.shape
+    if phy2log.dim() != 2 or phy2log.shape[0] != L:
+        raise ValueError(f"phy2log must be [L={L}, num_slots], got {tuple(phy2log.shape)}")
+    S = phy2log.shape[1]
+    if num_ranks <= 0 or S % num_ranks:
+        raise ValueError(f"{S} slots do not split over {num_ranks} ranks")
+    if phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= E):
+        raise ValueError(f"phy2log holds expert ids outside [0, {E})")
+    count = torch.zeros(L, E, dtype=torch.float64).scatter_add_(1, phy2log, torch.ones_like(phy2log, dtype=torch.float64))
+    if ((count == 0) & (load > 0)).any():
+        raise ValueError("an expert with load has no slot in phy2log")
+    per_replica = load / count.clamp(min=1)
+    return per_replica.gather(1, phy2log).view(L, num_ranks, S // num_ranks).sum(-1)
+
+
+def balancedness(load: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Mean / max tokens per rank for each layer: load [L, E], phy2log [L, S] -> [L] float64 in
+    (0, 1], 1 = perfectly balanced (and for a layer without load)."""
+    per_rank = rank_load(load, phy2log, num_ranks)
+    peak = per_rank.max(-1).values
+    return torch.where(peak > 0, per_rank.mean(-1) / peak.clamp(min=1e-300), torch.ones_like(peak))
+
+
+def imbalance(load: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """(max - mean) / mean tokens per rank for each layer: load [L, E], phy2log [L, S] -> [L]
+    float64 >= 0, 0 = perfectly balanced (and for a layer without load)."""
+    per_rank = rank_load(load, phy2log, num_ranks)
+    mean = per_rank.mean(-1)
+    return torch.where(mean > 0, (per_rank.max(-1).values - mean) / mean.clamp(min=1e-300), torch.zeros_like(mean))
+
+
+# --------------------------------------------------------------------------------------------
+# Policy
+
+
+def rebalance(
+    load: torch.Tensor,
+    num_slots: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    policy: str = "auto",
+    *,
+    refine: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New expert placement from a window of load.
+
+    load [L, E] (float or int): tokens per (layer, logical expert). num_slots: S >= E physical
+    slots, divisible by num_ranks. num_groups: G expert groups (DeepSeek-V3 n_group, contiguous
+    expert ids, E % G == 0), used by the hierarchical policy. num_nodes: N. num_ranks: R, divisible
+    by N. policy: "global", "hierarchical" (needs G % N == 0 and S % N == 0) or "auto"
+    (hierarchical when G % N == 0, else global). refine=False skips the refinement (swap pass and
+    replica-count search): the plain greedy placement, for comparisons.
+
+    Returns phy2log [L, S] long (logical expert of each slot), log2phy [L, E, max_replicas] long
+    (slots of each expert in increasing order, -1 padded) and replica_count [L, E] long.
+    Raises ValueError on inconsistent sizes, negative load, or when a rank would have to hold two
+    replicas of one expert (more slots per rank than experts to fill them, per node for
+    hierarchical).
+    """
+    return _rebalance(load, num_slots, num_groups, num_nodes, num_ranks, policy, swaps=refine, recount=refine)
+
+
+def _rebalance(load, num_slots, num_groups, num_nodes, num_ranks, policy="auto", *, swaps=True, recount=True):
+    """`rebalance` with the two refinement steps switched separately (for benchmarks)."""
+    load = _as_load(load)
+    L, E = load.shape
+    for name, v in (("num_slots", num_slots), ("num_groups", num_groups), ("num_nodes", num_nodes), ("num_ranks", num_ranks)):
+        if int(v) != v or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if num_slots < E:
+        raise ValueError(f"num_slots={num_slots} < {E} experts: every expert needs a slot")
+    if num_slots % num_ranks:
+        raise ValueError(f"num_slots={num_slots} does not split over num_ranks={num_ranks}")
+    if num_ranks % num_nodes:
+        raise ValueError(f"num_ranks={num_ranks} does not split over num_nodes={num_nodes}")
+    if E % num_groups:
+        raise ValueError(f"{E} experts do not split into num_groups={num_groups} groups")
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
+    if policy == "auto":
+        policy = "hierarchical" if num_groups % num_nodes == 0 else "global"
+
+    w = load.numpy()
+    if policy == "global":
+        if num_slots // num_ranks > E:
+            raise ValueError(f"{num_slots // num_ranks} slots per rank but {E} experts: a rank would hold two replicas of one expert")
+        candidates = [_replicate_and_pack(w, num_slots, num_ranks, swaps, recount)]
+    else:
+        candidates = _hierarchical(w, num_slots, num_groups, num_nodes, num_ranks, swaps, recount)
+    contiguous = np.broadcast_to(np.arange(num_slots) % E, (L, num_slots))
+    if _obeys(contiguous, num_ranks, num_nodes, num_groups, E, hierarchical=policy == "hierarchical"):
+        candidates.append(contiguous)
+    phy2log = _best_per_layer(load, candidates, num_ranks)
+    placement = placement_from_phy2log(phy2log, E, num_ranks)
+    return placement.phy2log, placement.log2phy, placement.replica_count
+
+
+def _hierarchical(w: np.ndarray, num_slots: int, num_groups: int, num_nodes: int, num_ranks: int, swaps: bool, recount: bool):
+    """Groups -> nodes, then replicate and pack inside each node. w [L, E] float64 -> list of
+    candidate phy2log [L, S] (greedy group packing, and the refined one when it differs)."""
+    L, E = w.shape
+    if num_groups % num_nodes:
+        raise ValueError(f"hierarchical policy needs num_groups % num_nodes == 0, got {num_groups} groups on {num_nodes} nodes")
+    if num_slots % num_nodes:
+        raise ValueError(f"num_slots={num_slots} does not split over num_nodes={num_nodes}")
+    group_size, epn, spn, rpn = E // num_groups, E // num_nodes, num_slots // num_nodes, num_ranks // num_nodes
+    if spn // rpn > epn:
+        raise ValueError(f"{spn // rpn} slots per rank but {epn} experts per node: a rank would hold two replicas of one expert")
+    group_load = w.reshape(L, num_groups, group_size).sum(-1)  # [L, G]
+    group_ids = np.broadcast_to(np.arange(num_groups), (L, num_groups))
+    packings = [_greedy_pack(group_load, group_ids, num_groups, num_nodes)]
+    if swaps:
+        refined = _refine(group_load, group_ids, packings[0], num_groups, num_nodes)
+        if (refined != packings[0]).any():
+            packings.append(refined)
+    candidates = []
+    for node_of_group in packings:
+        groups_by_node = np.lexsort((group_ids, node_of_group), axis=-1)  # [L, G], node after node
+        experts = (groups_by_node[..., None] * group_size + np.arange(group_size)).reshape(L * num_nodes, epn)
+        node_load = np.take_along_axis(w, experts.reshape(L, E), axis=1).reshape(L * num_nodes, epn)
+        layer = np.repeat(np.arange(L), num_nodes)
+        local = _replicate_and_pack(node_load, spn, rpn, swaps, recount, layer)  # [L*N, spn], ids in [0, epn)
+        candidates.append(np.take_along_axis(experts, local, axis=1).reshape(L, num_slots))
+    return candidates
+
+
+def _replicate_and_pack(w: np.ndarray, num_slots: int, num_bins: int, swaps: bool, recount: bool, layer: np.ndarray | None = None) -> np.ndarray:
+    """w [B, n] load per expert of each row (a layer, or a layer's node) -> [B, num_slots] expert
+    of each slot, bins (ranks) of num_slots / num_bins slots in order, experts ascending in a bin.
+    layer [B]: the layer of each row (rows of one layer compete for its busiest rank; default:
+    one row per layer)."""
+    B, n = w.shape
+    count = _replicate(w, num_slots, cap=num_bins)  # [B, n]
+    experts, weight, bins, peak = _pack_counts(w, count, num_bins, swaps)
+    if recount:
+        layer = np.arange(B) if layer is None else layer
+        experts, bins = _search_counts(w, count, experts, weight, bins, peak, num_bins, layer, swaps)
+    order = np.lexsort((experts, bins), axis=-1)
+    return np.take_along_axis(experts, order, axis=1)
+
+
+def _pack_counts(w: np.ndarray, count: np.ndarray, num_bins: int, swaps: bool):
+    """Pack the replicas given replica counts: w, count [B, n] -> experts, weight, bins [B, S]
+    (expert, load and bin of each replica) and peak [B] (load of the busiest bin)."""
+    B, n = w.shape
+    S = int(count[0].sum())
+    experts = np.repeat(np.tile(np.arange(n), B), count.reshape(-1)).reshape(B, S)
+    weight = np.take_along_axis(w / count, experts, axis=1)
+    bins = _greedy_pack(weight, experts, n, num_bins)
+    if swaps:
+        bins = _refine(weight, experts, bins, n, num_bins)
+    return experts, weight, bins, _bin_loads(weight, bins, num_bins).max(1)
+
+
+def _bin_loads(weight: np.ndarray, bins: np.ndarray, num_bins: int) -> np.ndarray:
+    """weight, bins [B, S] -> load of each bin [B, num_bins]."""
+    B, S = weight.shape
+    loads = np.zeros((B, num_bins))
+    np.add.at(loads, (np.repeat(np.arange(B), S), bins.reshape(-1)), weight.reshape(-1))
+    return loads
+
+
+def _search_counts(w, count, experts, weight, bins, peak, num_bins, layer, swaps, max_rounds: int = 8):
+    """Local search over replica counts for the rows that hold their layer's busiest rank.
+
+    Water-filling minimises the largest load per replica, but with at most one replica of an
+    expert per rank it can force two hot experts onto one rank (their replica counts add up to
+    more than the ranks there are). Each round, for each such row: moves of one replica between
+    two experts, one of them on the busiest bin (add a replica to an expert there, taken from the
+    expert that loses least by it; or take one from an expert there, given to the expert with the
+    highest load per replica), each re-packed; the best is kept if it lowers the row's busiest
+    bin, else the row is done. Rows already within 1e-4 of a lower bound are skipped.
+    w, count [B, n]; experts, weight, bins [B, S]; peak, layer [B] -> experts, bins [B, S]."""
+    B, n = w.shape
+    S = experts.shape[1]
+    per_bin, cap = S // num_bins, num_bins
+    num_layers = int(layer.max()) + 1
+    total = w.sum(1)
+    tol = 1e-12 * np.maximum(peak, 1.0)
+    open_rows = np.ones(B, dtype=bool)
+    count, experts, weight, bins, peak = count.copy(), experts.copy(), weight.copy(), bins.copy(), peak.copy()
+    for _ in range(max_rounds):
+        layer_peak = np.full(num_layers, -np.inf)
+        np.maximum.at(layer_peak, layer, peak)
+        smallest = np.sort(weight, axis=1)[:, : per_bin - 1].sum(1)
+        bound = np.maximum(total / num_bins, weight.max(1) + smallest)
+        rows = np.flatnonzero(open_rows & (peak >= layer_peak[layer] - tol) & (peak > bound * (1 + 1e-4)))
+        if rows.size == 0:
+            break
+        loads = _bin_loads(weight[rows], bins[rows], num_bins)
+        owner, moves = [], []
+        for i, r in enumerate(rows):
+            on_h = np.unique(experts[r][bins[r] == loads[i].argmax()])
+            for c in _count_moves(w[r], count[r], on_h, cap):
+                owner.append(r)
+                moves.append(c)
+        if not moves:
+            open_rows[rows] = False
+            continue
+        owner = np.array(owner)
+        new_count = np.stack(moves)
+        e2, w2, b2, p2 = _pack_counts(w[owner], new_count, num_bins, swaps)
+        for r in rows:
+            mine = np.flatnonzero(owner == r)
+            if mine.size == 0:
+                open_rows[r] = False
+                continue
+            best = mine[p2[mine].argmin()]
+            if p2[best] < peak[r] - tol[r]:
+                count[r], experts[r], weight[r], bins[r], peak[r] = new_count[best], e2[best], w2[best], b2[best], p2[best]
+            else:
+                open_rows[r] = False
+    return experts, bins
+
+
+def _count_moves(w: np.ndarray, count: np.ndarray, on_busiest: np.ndarray, cap: int) -> list[np.ndarray]:
+    """Candidate replica counts one move away from count [n] (see `_search_counts`)."""
+    donor_cost = np.where(count >= 2, w / np.maximum(count - 1, 1), np.inf)  # per-replica load after giving one
+    receiver_need = np.where(count < cap, w / count, -np.inf)
+    busy = np.zeros(w.size, dtype=bool)
+    busy[on_busiest] = True
+    pairs = set()
+    for e in on_busiest.tolist():
+        if count[e] < cap:  # one more replica for e
+            cost = donor_cost.copy()
+            cost[e] = np.inf
+            a = int(cost.argmin())
+            if np.isfinite(cost[a]):
+                pairs.add((a, e))
+        if count[e] >= 2:  # one replica less for e
+            for mask in (None, busy):
+                need = receiver_need.copy()
+                need[e] = -np.inf
+                if mask is not None:
+                    need[mask] = -np.inf
+                b = int(need.argmax())
+                if np.isfinite(need[b]):
+                    pairs.add((e, b))
+    out = []
+    for a, b in sorted(pairs):
+        c = count.copy()
+        c[a] -= 1
+        c[b] += 1
+        out.append(c)
+    return out
+
+
+def _replicate(w: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
+    """Replica count per expert: w [B, n] -> [B, n] int64 >= 1, each row summing to num_slots.
+    Each extra slot goes to the expert with the highest load per replica among those below `cap`
+    replicas (first such expert on ties)."""
+    B, n = w.shape
+    if num_slots > n * cap:
+        raise ValueError(f"{num_slots} slots for {n} experts on {cap} ranks: a rank would hold two replicas of one expert")
+    count = np.ones((B, n), dtype=np.int64)
+    rows = np.arange(B)
+    for _ in range(num_slots - n):
+        per_replica = np.where(count < cap, w / count, -1.0)  # load >= 0, so -1 marks "full"
+        count[rows, per_replica.argmax(1)] += 1
+    return count
+
+
+def _greedy_pack(w: np.ndarray, items: np.ndarray, num_items: int, num_bins: int) -> np.ndarray:
+    """Heaviest first into the lightest bin with room that does not hold the same item id.
+
+    w [B, M] weight of each entry, items [B, M] item id in [0, num_items) (an expert; its replicas
+    share the id and are never put in one bin; each id appears at most num_bins times) -> bin of
+    each entry [B, M] int64, every bin receiving exactly M / num_bins entries. Vectorised over rows.
+    """
+    B, M = w.shape
+    per_bin = M // num_bins
+    order = np.lexsort((items, -w), axis=-1)  # heaviest first; replicas of one expert adjacent
+    rows = np.arange(B)
+    loads = np.zeros((B, num_bins))
+    counts = np.zeros((B, num_bins), dtype=np.int64)
+    holds = np.zeros((B, num_bins, num_items), dtype=bool)
+    bins = np.full((B, M), -1, dtype=np.int64)
+    for i in range(M):
+        entry = order[:, i]
+        item = items[rows, entry]
+        ok = (counts < per_bin) & ~holds[rows, :, item]
+        for b in np.flatnonzero(~ok.any(1)):
+            _unstick(w[b], items[b], bins[b], loads[b], counts[b], holds[b], item[b], per_bin)
+            ok[b] = (counts[b] < per_bin) & ~holds[b, :, item[b]]
+        target = np.where(ok, loads, np.inf).argmin(1)
+        bins[rows, entry] = target
+        loads[rows, target] += w[rows, entry]
+        counts[rows, target] += 1
+        holds[rows, target, item] = True
+    return bins
+
+
+def _unstick(w, items, bins, loads, counts, holds, item, per_bin) -> None:
+    """Every bin with room already holds `item`: move the lightest movable entry from a full bin
+    without `item` to a bin with room, in place (one row's state).
+
+    Such a move always exists: fewer than num_bins replicas of `item` are placed, so some bin lacks
+    it, and that bin is full; a bin with room holds `item` and at most per_bin - 2 others, while the
+    full bin holds per_bin distinct ids other than `item`, so at least two of them can move there."""
+    best = None
+    for src in np.flatnonzero((counts == per_bin) & ~holds[:, item]):
+        entries = np.flatnonzero(bins == src)
+        for dst in np.flatnonzero(counts < per_bin):
+            movable = entries[~holds[dst, items[entries]]]
+            if movable.size:
+                e = movable[np.argmin(w[movable])]
+                if best is None or w[e] < w[best[0]]:
+                    best = (e, src, dst)
+    if best is None:  # cannot happen when every id appears at most num_bins times
+        raise ValueError("cannot place replicas without putting two replicas of one expert on a rank")
+    e, src, dst = best
+    bins[e] = dst
+    loads[src] -= w[e]
+    loads[dst] += w[e]
+    counts[src] -= 1
+    counts[dst] += 1
+    holds[src, items[e]] = False
+    holds[dst, items[e]] = True
+
+
+def _refine(w: np.ndarray, items: np.ndarray, bins: np.ndarray, num_items: int, num_bins: int, max_swaps: int | None = None) -> np.ndarray:
+    """Swap refinement of a packing: w, items, bins [B, M] as in `_greedy_pack` -> new bins [B, M].
+
+    Per row: take the heaviest bin h; among swaps of an entry a in h with a lighter entry b in
+    another bin o (b's id not in h, a's id not in o), pick the one minimising max(load_h - d,
+    load_o + d), d = w_a - w_b; apply it if that is below load_h, else the row is done. Each swap
+    makes a pair of bins strictly more even (sum of squared loads falls), so this ends; at most
+    max_swaps (default 2 M) swaps per row. The heaviest bin never gets heavier. Vectorised over
+    rows (all rows step together; finished rows drop out)."""
+    B, M = w.shape
+    per_bin = M // num_bins
+    max_swaps = 2 * M if max_swaps is None else max_swaps
+    bins = bins.copy()
+    rows_all = np.arange(B)
+    loads = np.zeros((B, num_bins))
+    np.add.at(loads, (np.repeat(rows_all, M), bins.reshape(-1)), w.reshape(-1))
+    holds = np.zeros((B, num_bins, num_items), dtype=bool)
+    holds[np.repeat(rows_all, M), bins.reshape(-1), items.reshape(-1)] = True
+    tol = 1e-12 * np.maximum(loads.max(1), 1.0)
+    active = rows_all
+    for _ in range(max_swaps):
+        if active.size == 0:
+            break
+        r = active
+        n = r.size
+        wr, ir, br, lr = w[r], items[r], bins[r], loads[r]
+        h = lr.argmax(1)  # [n]
+        on_h = br == h[:, None]  # [n, M], exactly per_bin per row
+        a_idx = (np.flatnonzero(on_h) % M).reshape(n, per_bin)
+        wa = np.take_along_axis(wr, a_idx, 1)
+        ia = np.take_along_axis(ir, a_idx, 1)
+        d = wa[:, :, None] - wr[:, None, :]  # [n, k, M]
+        rr = r[:, None, None]
+        ok = (d > 0) & ~on_h[:, None, :]
+        ok &= ~holds[rr, br[:, None, :], ia[:, :, None]]  # a's expert not yet in b's bin
+        ok &= ~holds[r[:, None], h[:, None], ir][:, None, :]  # b's expert not yet in h
+        load_h = lr[np.arange(n), h]
+        new_max = np.maximum(load_h[:, None, None] - d, np.take_along_axis(lr, br, 1)[:, None, :] + d)
+        new_max = np.where(ok, new_max, np.inf).reshape(n, -1)
+        k = new_max.argmin(1)
+        better = new_max[np.arange(n), k] < load_h - tol[r]
+        if not better.any():
+            break
+        r, k, h, n_sel = r[better], k[better], h[better], np.flatnonzero(better)
+        i, j = np.divmod(k, M)
+        a = a_idx[n_sel, i]
+        dst = br[n_sel, j]
+        ea, eb = items[r, a], items[r, j]
+        delta = w[r, a] - w[r, j]
+        bins[r, a], bins[r, j] = dst, h
+        loads[r, h] -= delta
+        loads[r, dst] += delta
+        holds[r, h, ea] = False
+        holds[r, dst, eb] = False
+        holds[r, h, eb] = True
+        holds[r, dst, ea] = True
+        active = r
+    return bins
+
+
+def _obeys(phy2log: np.ndarray, num_ranks: int, num_nodes: int, num_groups: int, num_experts: int, hierarchical: bool) -> bool:
+    """Whether phy2log [L, S] follows the policy's rules: no expert twice on one rank, and for
+    hierarchical every expert group's slots on a single node."""
+    L, S = phy2log.shape
+    per_rank = np.sort(phy2log.reshape(L, num_ranks, S // num_ranks), axis=-1)
+    if (per_rank[..., 1:] == per_rank[..., :-1]).any():
+        return False
+    if hierarchical:
+        group = phy2log // (num_experts // num_groups)
+        node = np.broadcast_to(np.arange(S) // (S // num_nodes), phy2log.shape)
+        lo = np.full((L, num_groups), S)
+        hi = np.full((L, num_groups), -1)
+        index = (np.repeat(np.arange(L), S), group.reshape(-1))
+        np.minimum.at(lo, index, node.reshape(-1))
+        np.maximum.at(hi, index, node.reshape(-1))
+        if (lo != hi).any():
+            return False
+    return True
+
+
+def _best_per_layer(load: torch.Tensor, candidates: list[np.ndarray], num_ranks: int) -> torch.Tensor:
+    """Per layer, the candidate phy2log [L, S] with the lightest busiest rank (first on ties)."""
+    if len(candidates) == 1:
+        return torch.from_numpy(np.ascontiguousarray(candidates[0])).long()
+    stack = torch.from_numpy(np.stack([np.ascontiguousarray(c) for c in candidates])).long()  # [C, L, S]
+    peaks = torch.stack([rank_load(load, c, num_ranks).max(-1).values for c in stack])  # [C, L]
+    best = peaks.argmin(0)  # first minimum: our placement wins ties
+    return stack[best, torch.arange(stack.shape[1])]
+
+
+def _as_load(load) -> torch.Tensor:
+    load = torch.as_tensor(load)
+    if load.dim() != 2:
+        raise ValueError(f"load must be [L, E] tokens per (layer, expert), got shape {tuple(load.shape)}")
+    load = load.detach().to("cpu", torch.float64)
+    if not torch.isfinite(load).all() or (load < 0).any():
+        raise ValueError("load must be finite and non-negative")
+    return load

@@ -1,0 +1,237 @@
+"""Run reports: the summary numbers, a plain-text table, and the files a run leaves behind.
+
+`summarize` turns per-request metrics and per-step stats into one flat dict, `format_summary`
+prints it, and `write_report` writes report.json, requests.csv and three PNG plots (latency,
+KV usage / batch size, step time) into a folder. Importable without Ray; matplotlib is only
+imported (with the Agg backend) when plots are written.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+REQUEST_COLUMNS = (
+    "request_id",
+    "finish_reason",
+    "arrival_time",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "num_preemptions",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+)
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+def _clean(values: Iterable) -> list[float]:
+    """Floats only: None and NaN are dropped."""
+    out = []
+    for v in values:
+        if v is None:
+            continue
+        v = float(v)
+        if not math.isnan(v):
+            out.append(v)
+    return out
+
+
+def _pct(values: Iterable, q: float) -> float:
+    values = _clean(values)
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(requests: list[dict], steps: list[dict], duration_s: float, kv_blocks_total: int,
+              preemptions: int) -> dict:
+    """One flat dict of run-level numbers; NaN where there is no data.
+
+    TPOT is taken over requests with at least two output tokens (a one-token request has no
+    time per output token; the engine reports 0.0 for it). ITL percentiles pool every gap
+    between consecutive tokens of every request.
+    """
+    requests = requests or []
+    steps = steps or []
+    out_tokens = sum(int(r.get("num_output_tokens") or 0) for r in requests)
+    ttft = [r.get("ttft_s") for r in requests]
+    tpot = [r.get("tpot_s") for r in requests if (r.get("num_output_tokens") or 0) > 1]
+    e2e = [r.get("e2e_s") for r in requests]
+    itl = [x for r in requests for x in (r.get("itl_s") or ())]
+    batch = _clean(s.get("num_seqs") for s in steps)
+    return {
+        "requests": len(requests),
+        "duration_s": float(duration_s),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s and duration_s > 0 else float("nan"),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "itl_p50_s": _pct(itl, 50),
+        "itl_p99_s": _pct(itl, 99),
+        "e2e_p50_s": _pct(e2e, 50),
+        "e2e_p99_s": _pct(e2e, 99),
+        "kv_blocks_total": kv_blocks_total,
+        "kv_blocks_peak": max((int(s["kv_blocks_used"]) for s in steps if s.get("kv_blocks_used") is not None), default=0),
+        "preemptions": preemptions,
+        "steps": len(steps),
+        "mean_batch_size": float(np.mean(batch)) if batch else float("nan"),
+    }
+
+
+def _num(value, scale: float = 1.0, fmt: str = ".1f") -> str:
+    if value is None:
+        return "n/a"
+    try:
+        v = float(value) * scale
+    except (TypeError, ValueError):
+        return str(value)
+    return "n/a" if math.isnan(v) else format(v, fmt)
+
+
+def format_summary(summary: dict) -> str:
+    """Aligned two-column plain-text table of the headline numbers."""
+    s = summary
+    rows = [
+        ("requests", f"{s.get('requests', 'n/a')}"),
+        ("output tokens/s", _num(s.get("output_tokens_per_s"))),
+        ("TTFT p50 / p99 (ms)", f"{_num(s.get('ttft_p50_s'), 1e3)} / {_num(s.get('ttft_p99_s'), 1e3)}"),
+        ("TPOT p50 / p99 (ms)", f"{_num(s.get('tpot_p50_s'), 1e3)} / {_num(s.get('tpot_p99_s'), 1e3)}"),
+        ("KV blocks peak / total", f"{s.get('kv_blocks_peak', 'n/a')} / {s.get('kv_blocks_total', 'n/a')}"),
+        ("preemptions", f"{s.get('preemptions', 'n/a')}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ---- files --------------------------------------------------------------------------------------
+def write_report(report: dict, out_dir) -> list[Path]:
+    """Write report.json, requests.csv, latency.png, kv_usage.png and step_time.png into out_dir
+    (created if missing). Returns the paths written, in that order."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests = list(report.get("requests") or [])
+    steps = list(report.get("steps") or [])
+    paths = []
+
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    paths.append(path)
+
+    path = out_dir / "requests.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in requests:
+            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in REQUEST_COLUMNS})
+    paths.append(path)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kv_total = (report.get("summary") or {}).get("kv_blocks_total")
+    for name, draw in (("latency.png", _plot_latency), ("kv_usage.png", _plot_kv_usage),
+                       ("step_time.png", _plot_step_time)):
+        fig = draw(plt, requests, steps, kv_total)
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _no_data(ax, what: str = "no data") -> None:
+    ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _plot_latency(plt, requests, steps, kv_total):
+    ttft = [v * 1e3 for v in _clean(r.get("ttft_s") for r in requests)]
+    tpot = [v * 1e3 for v in _clean(r.get("tpot_s") for r in requests if (r.get("num_output_tokens") or 0) > 1)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    for ax, values, label in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
+        ax.set_title(f"{label} ({len(values)} requests)")
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("requests")
+        if not values:
+            _no_data(ax)
+            continue
+        ax.hist(values, bins=min(30, max(5, len(values))), color="tab:blue", alpha=0.45, label="histogram")
+        cdf = ax.twinx()
+        xs = np.sort(values)
+        cdf.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", color="tab:red", label="CDF")
+        cdf.set_ylim(0, 1.02)
+        cdf.set_ylabel("cumulative fraction")
+        p50, p99 = np.percentile(values, [50, 99])
+        ax.axvline(p50, color="black", ls="--", lw=1, label=f"p50 {p50:.1f} ms")
+        ax.axvline(p99, color="black", ls=":", lw=1, label=f"p99 {p99:.1f} ms")
+        handles = ax.get_legend_handles_labels()[0] + cdf.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="center right", fontsize=8)
+    fig.suptitle("Request latency: time to first token and time per output token")
+    return fig
+
+
+def _step_series(steps, key, scale=1.0):
+    """(seconds since the first step, value) for steps where both are present."""
+    t0 = next((s["time"] for s in steps if s.get("time") is not None), None)
+    xs, ys = [], []
+    for s in steps:
+        if s.get("time") is None or s.get(key) is None:
+            continue
+        xs.append(s["time"] - t0)
+        ys.append(s[key] * scale)
+    return xs, ys
+
+
+def _plot_kv_usage(plt, requests, steps, kv_total):
+    fig, (ax_kv, ax_bs) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, layout="constrained")
+    xs, used = _step_series(steps, "kv_blocks_used")
+    ax_kv.set_title("KV cache blocks in use")
+    ax_kv.set_ylabel("blocks")
+    if xs:
+        ax_kv.step(xs, used, where="post", color="tab:blue", label="used")
+    else:
+        _no_data(ax_kv)
+    if kv_total is not None:
+        ax_kv.axhline(kv_total, color="tab:red", ls="--", label=f"total ({kv_total})")
+        ax_kv.set_ylim(0, kv_total * 1.3 if kv_total else 1)  # headroom for the legend above the line
+    if xs or kv_total is not None:
+        ax_kv.legend(loc="upper left", ncol=2, fontsize=8)
+    xs, seqs = _step_series(steps, "num_seqs")
+    ax_bs.set_title("Batch size (sequences scheduled per step)")
+    ax_bs.set_ylabel("sequences")
+    ax_bs.set_xlabel("time since first step (s)")
+    if xs:
+        ax_bs.step(xs, seqs, where="post", color="tab:green")
+        ax_bs.set_ylim(bottom=0)
+    else:
+        _no_data(ax_bs)
+    return fig
+
+
+def _plot_step_time(plt, requests, steps, kv_total):
+    fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
+    xs, ms = _step_series(steps, "step_time_s", 1e3)
+    ax.set_title(f"Engine step time ({len(ms)} steps)")
+    ax.set_xlabel("time since first step (s)")
+    ax.set_ylabel("step time (ms)")
+    if xs:
+        ax.plot(xs, ms, ".", ms=3, color="tab:blue", alpha=0.6, label="step")
+        if len(ms) >= 5:
+            k = max(2, min(50, len(ms) // 20))
+            smooth = np.convolve(ms, np.ones(k) / k, mode="valid")
+            ax.plot(xs[k - 1:], smooth, color="tab:orange", lw=1.5, label=f"moving mean ({k} steps)")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper right", fontsize=8)
+    else:
+        _no_data(ax)
+    return fig
+
