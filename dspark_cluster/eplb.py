@@ -9,7 +9,7 @@ N nodes, G expert groups. Slots are numbered rank after rank: rank r holds slots
     phy2log, log2phy, replica_count = rebalance(load, num_slots, num_groups, num_nodes, num_ranks)
 
 Policy (after DeepSeek's open-source EPLB, with two changes: never two replicas of one expert on
-one rank, and a refinement pass after the greedy packing):
+one rank, and refinement after the greedy steps):
 
 1. Replication: the S - E redundant slots go one at a time to the expert with the highest load per
    replica (load / replica count), among experts that have fewer replicas than there are ranks to
@@ -18,19 +18,28 @@ one rank, and a refinement pass after the greedy packing):
    each goes to the lightest rank that still has a free slot and does not hold that expert yet
    (ranks hold exactly S/R slots). Should no rank qualify, one replica is first moved from a full
    rank to a rank with room (always possible, see `_unstick`).
-3. Refinement: repeatedly swap a replica of the heaviest rank with a lighter replica of another rank,
-   taking the swap that leaves the pair's heavier side lightest, while that is lighter than the
-   heaviest rank was (slot counts and the no-duplicate rule kept); stops when no swap helps or
-   after a bounded number of swaps. Never worse than the greedy placement it starts from.
+3. Refinement (refine=True, the default), each step only ever accepting a strictly lighter
+   busiest rank, so never worse than the greedy placement of 1-2:
+   a. swaps: repeatedly swap a replica of the heaviest rank with a lighter replica of another rank,
+      taking the swap that leaves the pair's heavier side lightest, while that is lighter than
+      the heaviest rank was (slot counts and the no-duplicate rule kept), a bounded number of times;
+   b. replica counts: with one replica per rank at most, water-filling can force two hot experts
+      onto one rank (their replica counts add up to more than the ranks); moving one or two
+      replicas between experts of the busiest rank and the others, re-packed, often fixes that
+      (`_search_counts`).
 
 "global" runs 1-3 over all slots and ranks. "hierarchical" (DeepSeek-V3's group-limited routing)
-first packs whole expert groups onto nodes (steps 2-3 with groups as items and nodes as bins, so
-that node loads are balanced), then runs 1-3 inside each node with its S/N slots and R/N ranks, so
+first packs whole expert groups onto nodes (2 and 3a with groups as items and nodes as bins, so
+that node loads are balanced, then swaps of groups between nodes scored by the busiest rank they
+lead to, `_search_groups`), then runs 1-3 inside each node with its S/N slots and R/N ranks, so
 every expert's replicas stay on the node of its group. "auto" is hierarchical when G % N == 0.
 
-Per layer the result is also compared with the contiguous placement (slot s holds expert s mod E)
-when that placement obeys the policy's rules, and the contiguous one is kept if its busiest rank is
-strictly lighter, so `rebalance` is never worse than not rebalancing at all.
+Per layer the best (lightest busiest rank) of these candidates is kept: the placements from the
+greedy, refined and searched group packings, and the contiguous placement (slot s holds expert
+s mod E) when it obeys the policy's rules, so `rebalance` is never worse than not rebalancing.
+
+Cost at DeepSeek-V3 scale (58 layers, 256 experts, 288-320 slots, 32-64 ranks): well under a
+second per call on one CPU core (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -60,7 +69,9 @@ def rank_load(load: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torc
         raise ValueError(f"{S} slots do not split over {num_ranks} ranks")
     if phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= E):
         raise ValueError(f"phy2log holds expert ids outside [0, {E})")
-    count = torch.zeros(L, E, dtype=torch.float64).scatter_add_(1, phy2log, torch.ones_like(phy2log, dtype=torch.float64))
+    count = torch.zeros(L, E, dtype=torch.float64).scatter_add_(
+        1, phy2log, torch.ones_like(phy2log, dtype=torch.float64)
+    )
     if ((count == 0) & (load > 0)).any():
         raise ValueError("an expert with load has no slot in phy2log")
     per_replica = load / count.clamp(min=1)
@@ -119,9 +130,17 @@ def _rebalance(load, num_slots, num_groups, num_nodes, num_ranks, policy="auto",
     """`rebalance` with the two refinement steps switched separately (for benchmarks)."""
     load = _as_load(load)
     L, E = load.shape
-    for name, v in (("num_slots", num_slots), ("num_groups", num_groups), ("num_nodes", num_nodes), ("num_ranks", num_ranks)):
-        if int(v) != v or v <= 0:
+    for name, v in (
+        ("num_slots", num_slots),
+        ("num_groups", num_groups),
+        ("num_nodes", num_nodes),
+        ("num_ranks", num_ranks),
+    ):
+        if isinstance(v, bool) or int(v) != v or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    num_slots, num_groups, num_nodes, num_ranks = int(num_slots), int(num_groups), int(num_nodes), int(num_ranks)
+    if L == 0 or E == 0:
+        raise ValueError(f"load must have at least one layer and one expert, got shape {tuple(load.shape)}")
     if num_slots < E:
         raise ValueError(f"num_slots={num_slots} < {E} experts: every expert needs a slot")
     if num_slots % num_ranks:
@@ -138,7 +157,9 @@ def _rebalance(load, num_slots, num_groups, num_nodes, num_ranks, policy="auto",
     w = load.numpy()
     if policy == "global":
         if num_slots // num_ranks > E:
-            raise ValueError(f"{num_slots // num_ranks} slots per rank but {E} experts: a rank would hold two replicas of one expert")
+            raise ValueError(
+                f"{num_slots // num_ranks} slots per rank but {E} experts: a rank would hold two replicas of one expert"
+            )
         candidates = [_replicate_and_pack(w, num_slots, num_ranks, swaps, recount)]
     else:
         candidates = _hierarchical(w, num_slots, num_groups, num_nodes, num_ranks, swaps, recount)
@@ -150,24 +171,33 @@ def _rebalance(load, num_slots, num_groups, num_nodes, num_ranks, policy="auto",
     return placement.phy2log, placement.log2phy, placement.replica_count
 
 
-def _hierarchical(w: np.ndarray, num_slots: int, num_groups: int, num_nodes: int, num_ranks: int, swaps: bool, recount: bool):
+def _hierarchical(
+    w: np.ndarray, num_slots: int, num_groups: int, num_nodes: int, num_ranks: int, swaps: bool, recount: bool
+):
     """Groups -> nodes, then replicate and pack inside each node. w [L, E] float64 -> list of
-    candidate phy2log [L, S] (greedy group packing, and the refined one when it differs)."""
+    candidate phy2log [L, S]: from the greedy group packing and, when refining, from the refined
+    one and from a group-swap search on top of it (each where it differs)."""
     L, E = w.shape
     if num_groups % num_nodes:
-        raise ValueError(f"hierarchical policy needs num_groups % num_nodes == 0, got {num_groups} groups on {num_nodes} nodes")
+        raise ValueError(
+            f"hierarchical policy needs num_groups % num_nodes == 0, got {num_groups} groups on {num_nodes} nodes"
+        )
     if num_slots % num_nodes:
         raise ValueError(f"num_slots={num_slots} does not split over num_nodes={num_nodes}")
     group_size, epn, spn, rpn = E // num_groups, E // num_nodes, num_slots // num_nodes, num_ranks // num_nodes
     if spn // rpn > epn:
-        raise ValueError(f"{spn // rpn} slots per rank but {epn} experts per node: a rank would hold two replicas of one expert")
+        raise ValueError(
+            f"{spn // rpn} slots per rank but {epn} experts per node: a rank would hold two replicas of one expert"
+        )
     group_load = w.reshape(L, num_groups, group_size).sum(-1)  # [L, G]
     group_ids = np.broadcast_to(np.arange(num_groups), (L, num_groups))
     packings = [_greedy_pack(group_load, group_ids, num_groups, num_nodes)]
     if swaps:
         refined = _refine(group_load, group_ids, packings[0], num_groups, num_nodes)
-        if (refined != packings[0]).any():
-            packings.append(refined)
+        searched = _search_groups(w, refined, group_size, num_nodes, spn, rpn)
+        for p in (refined, searched):
+            if not any(np.array_equal(p, q) for q in packings):
+                packings.append(p)
     candidates = []
     for node_of_group in packings:
         groups_by_node = np.lexsort((group_ids, node_of_group), axis=-1)  # [L, G], node after node
@@ -179,12 +209,76 @@ def _hierarchical(w: np.ndarray, num_slots: int, num_groups: int, num_nodes: int
     return candidates
 
 
-def _replicate_and_pack(w: np.ndarray, num_slots: int, num_bins: int, swaps: bool, recount: bool, layer: np.ndarray | None = None) -> np.ndarray:
+def _search_groups(
+    w: np.ndarray,
+    node_of_group: np.ndarray,
+    group_size: int,
+    num_nodes: int,
+    slots_per_node: int,
+    ranks_per_node: int,
+    max_rounds: int = 8,
+) -> np.ndarray:
+    """Local search over which node holds which group, on the real objective rather than node load.
+
+    Balanced node loads do not make the busiest rank lightest when a few experts dominate (how a
+    node's experts split over its ranks matters too). Each round, per layer: every swap of a group
+    on the node with the busiest rank for a group on another node, the two nodes scored by greedy
+    replication + packing (no refinement, cheap); the best swap is kept if it lowers the layer's
+    busiest rank. w [L, E], node_of_group [L, G] -> [L, G]."""
+    L, G = node_of_group.shape
+    gpn = G // num_nodes
+    if gpn < 2 or num_nodes < 2:
+        return node_of_group  # one group per node: swaps only relabel nodes
+    arange_g = np.arange(group_size)
+    node_of_group = node_of_group.copy()
+    group_ids = np.broadcast_to(np.arange(G), (L, G))
+
+    def peaks_of(layers: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """layers [B], groups [B, gpn] -> busiest rank of each such node [B] (greedy)."""
+        experts = (groups[..., None] * group_size + arange_g).reshape(len(layers), -1)
+        rows = np.take_along_axis(w[layers], experts, axis=1)
+        count = _replicate(rows, slots_per_node, ranks_per_node)
+        return _pack_counts(rows, count, ranks_per_node, swaps=False)[3]
+
+    for _ in range(max_rounds):
+        by_node = np.lexsort((group_ids, node_of_group), axis=-1).reshape(L, num_nodes, gpn)
+        peaks = peaks_of(np.repeat(np.arange(L), num_nodes), by_node.reshape(L * num_nodes, gpn)).reshape(L, num_nodes)
+        worst = peaks.argmax(1)
+        current = peaks.max(1)
+        # candidates (layer, other node, slot on the busiest node, slot on the other node)
+        li, oi, i1, i2 = (
+            a.reshape(-1)
+            for a in np.meshgrid(np.arange(L), np.arange(num_nodes), np.arange(gpn), np.arange(gpn), indexing="ij")
+        )
+        keep = oi != worst[li]
+        li, oi, i1, i2 = li[keep], oi[keep], i1[keep], i2[keep]
+        hi = worst[li]
+        c = np.arange(li.size)
+        new_h, new_o = by_node[li, hi].copy(), by_node[li, oi].copy()
+        new_h[c, i1], new_o[c, i2] = by_node[li, oi, i2], by_node[li, hi, i1]
+        pair = peaks_of(np.concatenate([li, li]), np.concatenate([new_h, new_o])).reshape(2, -1).max(0)
+        rest = peaks[li].copy()
+        rest[c, hi] = -np.inf
+        rest[c, oi] = -np.inf
+        score = np.maximum(pair, rest.max(1))
+        order = np.lexsort((score, li))  # by layer, best first
+        first = order[np.r_[True, li[order][1:] != li[order][:-1]]]
+        better = first[score[first] < current[li[first]] * (1 - 1e-12)]
+        if better.size == 0:
+            break
+        l, g1, g2 = li[better], by_node[li[better], hi[better], i1[better]], by_node[li[better], oi[better], i2[better]]
+        node_of_group[l, g1], node_of_group[l, g2] = oi[better], hi[better]
+    return node_of_group
+
+
+def _replicate_and_pack(
+    w: np.ndarray, num_slots: int, num_bins: int, swaps: bool, recount: bool, layer: np.ndarray | None = None
+) -> np.ndarray:
     """w [B, n] load per expert of each row (a layer, or a layer's node) -> [B, num_slots] expert
     of each slot, bins (ranks) of num_slots / num_bins slots in order, experts ascending in a bin.
     layer [B]: the layer of each row (rows of one layer compete for its busiest rank; default:
     one row per layer)."""
-    B, n = w.shape
+    B = w.shape[0]
     count = _replicate(w, num_slots, cap=num_bins)  # [B, n]
     experts, weight, bins, peak = _pack_counts(w, count, num_bins, swaps)
     if recount:
@@ -222,12 +316,12 @@ def _search_counts(w, count, experts, weight, bins, peak, num_bins, layer, swaps
     expert per rank it can force two hot experts onto one rank (their replica counts add up to
     more than the ranks there are). Each round, for each such row: moves of one replica between
     two experts, one of them on the busiest bin (add a replica to an expert there, taken from the
-    expert that loses least by it; or take one from an expert there, given to the expert with the
-    highest load per replica), each re-packed; the best is kept if it lowers the row's busiest
-    bin, else the row is done. Rows already within 1e-4 of a lower bound are skipped.
+    expert that loses least by it; or take one from an expert there, or one from each of two
+    experts there whose replicas cannot all sit on separate bins, and give them by water-filling),
+    each re-packed; the best is kept if it lowers the row's busiest bin, else the row is done.
+    Rows already within 0.1% of a lower bound are skipped.
     w, count [B, n]; experts, weight, bins [B, S]; peak, layer [B] -> experts, bins [B, S]."""
-    B, n = w.shape
-    S = experts.shape[1]
+    B, S = experts.shape
     per_bin, cap = S // num_bins, num_bins
     num_layers = int(layer.max()) + 1
     total = w.sum(1)
@@ -239,7 +333,7 @@ def _search_counts(w, count, experts, weight, bins, peak, num_bins, layer, swaps
         np.maximum.at(layer_peak, layer, peak)
         smallest = np.sort(weight, axis=1)[:, : per_bin - 1].sum(1)
         bound = np.maximum(total / num_bins, weight.max(1) + smallest)
-        rows = np.flatnonzero(open_rows & (peak >= layer_peak[layer] - tol) & (peak > bound * (1 + 1e-4)))
+        rows = np.flatnonzero(open_rows & (peak >= layer_peak[layer] - tol) & (peak > bound * (1 + 1e-3)))
         if rows.size == 0:
             break
         loads = _bin_loads(weight[rows], bins[rows], num_bins)
@@ -262,42 +356,66 @@ def _search_counts(w, count, experts, weight, bins, peak, num_bins, layer, swaps
                 continue
             best = mine[p2[mine].argmin()]
             if p2[best] < peak[r] - tol[r]:
-                count[r], experts[r], weight[r], bins[r], peak[r] = new_count[best], e2[best], w2[best], b2[best], p2[best]
+                count[r], experts[r], weight[r], bins[r], peak[r] = (
+                    new_count[best],
+                    e2[best],
+                    w2[best],
+                    b2[best],
+                    p2[best],
+                )
             else:
                 open_rows[r] = False
     return experts, bins
 
 
 def _count_moves(w: np.ndarray, count: np.ndarray, on_busiest: np.ndarray, cap: int) -> list[np.ndarray]:
-    """Candidate replica counts one move away from count [n] (see `_search_counts`)."""
-    donor_cost = np.where(count >= 2, w / np.maximum(count - 1, 1), np.inf)  # per-replica load after giving one
-    receiver_need = np.where(count < cap, w / count, -np.inf)
+    """Candidate replica counts near count [n] (see `_search_counts`); w [n] expert loads,
+    on_busiest: the experts on the busiest bin."""
     busy = np.zeros(w.size, dtype=bool)
     busy[on_busiest] = True
-    pairs = set()
+    out: dict[bytes, np.ndarray] = {}
+
+    def add(c: np.ndarray | None) -> None:
+        if c is not None:
+            out.setdefault(c.tobytes(), c)
+
+    donor_cost = np.where(count >= 2, w / np.maximum(count - 1, 1), np.inf)  # per-replica load after giving one
     for e in on_busiest.tolist():
-        if count[e] < cap:  # one more replica for e
+        if count[e] < cap:  # one more replica for e, from the expert that loses least by it
             cost = donor_cost.copy()
             cost[e] = np.inf
             a = int(cost.argmin())
             if np.isfinite(cost[a]):
-                pairs.add((a, e))
-        if count[e] >= 2:  # one replica less for e
-            for mask in (None, busy):
-                need = receiver_need.copy()
-                need[e] = -np.inf
-                if mask is not None:
-                    need[mask] = -np.inf
-                b = int(need.argmax())
-                if np.isfinite(need[b]):
-                    pairs.add((e, b))
-    out = []
-    for a, b in sorted(pairs):
-        c = count.copy()
-        c[a] -= 1
-        c[b] += 1
-        out.append(c)
-    return out
+                c = count.copy()
+                c[a] -= 1
+                c[e] += 1
+                add(c)
+    # one replica less for e (or for two experts of the busiest bin that have more replicas than
+    # there are bins, so that some bin must hold both), handed on by water-filling, to any other
+    # expert or to one off the busiest bin
+    givers = [[e] for e in on_busiest.tolist() if count[e] >= 2]
+    givers += [[a, b] for i, (a,) in enumerate(givers) for (b,) in givers[i + 1 :] if count[a] + count[b] > cap]
+    for g in givers:
+        for exclude_busy in (False, True):
+            c = count.copy()
+            c[g] -= 1
+            blocked = busy.copy() if exclude_busy else np.zeros(w.size, dtype=bool)
+            blocked[g] = True
+            add(_water_fill(w, c, len(g), cap, blocked))
+    return list(out.values())
+
+
+def _water_fill(w: np.ndarray, count: np.ndarray, extra: int, cap: int, blocked: np.ndarray) -> np.ndarray | None:
+    """Give `extra` more replicas, each to the unblocked expert below cap with the highest load per
+    replica; None when there is none. w, count, blocked [n]."""
+    count = count.copy()
+    for _ in range(extra):
+        need = np.where((count < cap) & ~blocked, w / count, -np.inf)
+        e = int(need.argmax())
+        if not np.isfinite(need[e]):
+            return None
+        count[e] += 1
+    return count
 
 
 def _replicate(w: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
@@ -306,7 +424,9 @@ def _replicate(w: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
     replicas (first such expert on ties)."""
     B, n = w.shape
     if num_slots > n * cap:
-        raise ValueError(f"{num_slots} slots for {n} experts on {cap} ranks: a rank would hold two replicas of one expert")
+        raise ValueError(
+            f"{num_slots} slots for {n} experts on {cap} ranks: a rank would hold two replicas of one expert"
+        )
     count = np.ones((B, n), dtype=np.int64)
     rows = np.arange(B)
     for _ in range(num_slots - n):
@@ -373,7 +493,9 @@ def _unstick(w, items, bins, loads, counts, holds, item, per_bin) -> None:
     holds[dst, items[e]] = True
 
 
-def _refine(w: np.ndarray, items: np.ndarray, bins: np.ndarray, num_items: int, num_bins: int, max_swaps: int | None = None) -> np.ndarray:
+def _refine(
+    w: np.ndarray, items: np.ndarray, bins: np.ndarray, num_items: int, num_bins: int, max_swaps: int | None = None
+) -> np.ndarray:
     """Swap refinement of a packing: w, items, bins [B, M] as in `_greedy_pack` -> new bins [B, M].
 
     Per row: take the heaviest bin h; among swaps of an entry a in h with a lighter entry b in
@@ -433,7 +555,9 @@ def _refine(w: np.ndarray, items: np.ndarray, bins: np.ndarray, num_items: int, 
     return bins
 
 
-def _obeys(phy2log: np.ndarray, num_ranks: int, num_nodes: int, num_groups: int, num_experts: int, hierarchical: bool) -> bool:
+def _obeys(
+    phy2log: np.ndarray, num_ranks: int, num_nodes: int, num_groups: int, num_experts: int, hierarchical: bool
+) -> bool:
     """Whether phy2log [L, S] follows the policy's rules: no expert twice on one rank, and for
     hierarchical every expert group's slots on a single node."""
     L, S = phy2log.shape
