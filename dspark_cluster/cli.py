@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import load_config
@@ -23,6 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     plan = with_config(sub.add_parser("kv-plan", help="KV cache capacity per worker"))
     plan.add_argument("--context-len", type=int, default=None, help="context length for the sequences-at-once column")
+    serve = with_config(sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: the DSPARK_API_KEY variable, else none)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model folder's name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
@@ -42,6 +50,12 @@ def main(argv=None) -> int:
             from .model.spec import load_spec
 
             print(format_kv_plan(kv_plan(cfg, load_spec(cfg.model.path, cfg.model.dtype), args.context_len)))
+        elif args.command == "serve":
+            from .server import serve
+
+            api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
+            serve(cfg, host=args.host, port=args.port, api_key=api_key,
+                  served_model_name=args.served_model_name, log_level=args.log_level)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

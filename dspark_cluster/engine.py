@@ -22,6 +22,8 @@ from .model.spec import ModelSpec, load_spec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .proposers import DraftRequest
+from .spec_decode import Proposal
 from .step import StepInput, StepOutput, build_step_input, execute_step
 
 
@@ -89,7 +91,14 @@ class LLMEngine:
         self.num_blocks = self.executor.num_blocks
         self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
         self.block_manager = BlockManager(self.num_blocks, sc.block_size)
-        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len)
+        self.drafter = None
+        if cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0:
+            from .drafting import Drafter
+
+            self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
+        lookahead = cfg.speculative.num_tokens if self.drafter is not None else 0
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
+                                   lookahead)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.seqs: dict[str, Sequence] = {}
         self.step_stats: list[dict] = []
@@ -153,12 +162,21 @@ class LLMEngine:
         events = [TokenEvent(s.request_id, [], True, s.finish_reason, s) for s in sched.finished]
         if not sched.scheduled:
             return events
+        self._attach_drafts(sched.scheduled)
         step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
+        t_verify = time.perf_counter()
         out = self.executor.execute(step_in)
-        rows = [sched.scheduled[r].seq.seq_id for r in step_in.sample_rows.tolist()]
-        sampled = {sid: [tok] for sid, tok in zip(rows, out.sampled.tolist())}
+        rows = [sched.scheduled[r] for r in step_in.sample_rows.tolist()]
+        sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
+        if self.drafter is not None:
+            self.drafter.stats.verify_time_s += time.perf_counter() - t_verify
+            for s in rows:
+                if s.proposal is not None:
+                    self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1)
         for seq, new in self.scheduler.update(sched.scheduled, sampled):
             events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
+        if self.drafter is not None:
+            self.drafter.free([ev.seq.seq_id for ev in events if ev.finished])
         self.step_stats.append(
             {
                 "time": time.monotonic(),
@@ -171,7 +189,33 @@ class LLMEngine:
         )
         return events
 
+    def _attach_drafts(self, scheduled) -> None:
+        """Ask the drafter for the decode rows that reserved draft slots."""
+        if self.drafter is None:
+            return
+        rows = [s for s in scheduled if s.num_lookahead]
+        if not rows:
+            return
+        reqs = [
+            DraftRequest(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.params.temperature,
+                         s.seq.params.top_k, s.seq.params.top_p,
+                         -1 if s.seq.params.seed is None else s.seq.params.seed, s.seq.num_output_tokens)
+            for s in rows
+        ]
+        for s, prop in zip(rows, self.drafter.propose(reqs)):
+            if prop.tokens:
+                s.proposal = Proposal(prop.tokens[: s.num_lookahead],
+                                      None if prop.probs is None else prop.probs[: s.num_lookahead])
+        if not self.drafter.alive:
+            self.scheduler.speculation_enabled = False
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch speculation on or off for every request, at run time."""
+        self.scheduler.speculation_enabled = bool(enabled) and self.drafter is not None and self.drafter.alive
+
     def shutdown(self) -> None:
+        if self.drafter is not None:
+            self.drafter.shutdown()
         self.executor.shutdown()
 
     def release(self, request_id: str) -> None:

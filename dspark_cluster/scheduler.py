@@ -11,15 +11,23 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .kv_cache import BlockManager
 from .sequence import Sequence, SeqStatus
+from .spec_decode import Proposal
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute (prefill chunk, or 1 for a decode)
+    num_lookahead: int = 0  # KV slots reserved for drafts (speculative decode rows)
+    proposal: Optional[Proposal] = None  # drafts to verify, filled in before the step
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.proposal.tokens) if self.proposal is not None else 0
 
     @property
     def samples(self) -> bool:
@@ -39,8 +47,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 lookahead: int = 0):
         self.blocks = block_manager
+        self.lookahead = lookahead  # drafts per speculative decode row (0: no speculation)
+        self.speculation_enabled = lookahead > 0  # global run-time switch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -87,6 +98,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            la = self._lookahead(seq, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            n_alloc = n + la
+            if la and not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n_alloc):
+                la, n_alloc = 0, n  # out of room: this row decodes without drafts
             while not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n) and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -99,9 +114,9 @@ class Scheduler:
                     self._preempt(seq)
                     out.preempted.append(seq)
                 break
-            self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n_alloc)
+            out.scheduled.append(ScheduledSeq(seq, n, la))
+            budget -= n_alloc
             i += 1
         if out.preempted:
             return out  # admitting new work in a step that had to preempt would only thrash
@@ -121,15 +136,29 @@ class Scheduler:
             budget -= n
         return out
 
+    def _lookahead(self, seq: Sequence, budget_left: int) -> int:
+        """Draft slots for a decode row: none when speculation is off (globally or for the
+        request), and never past max_tokens, max_model_len or the step's token budget."""
+        if not (self.speculation_enabled and seq.params.speculative):
+            return 0
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.lookahead, room, budget_left))
+
     def update(self, scheduled: list[ScheduledSeq], sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
-        """Advance sequences after a step. sampled: seq_id -> accepted new tokens (sampling rows
-        only). Returns (sequence, new tokens) for every sequence that produced tokens; finished
-        ones are removed and their blocks freed."""
+        """Advance sequences after a step. sampled: seq_id -> new tokens (sampling rows only: the
+        accepted drafts and one token of the target's). Returns (sequence, new tokens) for every
+        sequence that produced tokens; finished ones are removed and their blocks freed."""
         now = time.monotonic()
         events = []
         for s in scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.proposal is not None and seq.seq_id in sampled:
+                accepted = len(sampled[seq.seq_id]) - 1
+                seq.num_draft_tokens += s.num_draft
+                seq.num_accepted_tokens += accepted
+                seq.num_computed_tokens += s.num_new_tokens + accepted  # the KV of rejected drafts is dropped
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
             if seq.seq_id not in sampled:
                 continue
             new = []

@@ -14,6 +14,7 @@ import torch
 
 from .model.attention import build_metadata
 from .sampling import sample
+from .spec_decode import verify
 from .scheduler import ScheduledSeq
 
 
@@ -30,12 +31,17 @@ class StepInput:
     seeds: torch.Tensor  # [S] long, -1 = unseeded
     positions_out: torch.Tensor  # [S] long, index of the output token being sampled
     block_size: int
+    # speculative rows: the last draft_count[s] query tokens of sample row s are drafts to verify
+    draft_tokens: Optional[torch.Tensor] = None  # [S, K] long
+    num_draft: Optional[torch.Tensor] = None  # [S] long
+    draft_probs: Optional[torch.Tensor] = None  # [S, K, V] draft law (None: one-hot drafts)
     return_logits: bool = False  # diagnostics (parity tests): also return the sampled rows' logits
 
 
 @dataclass
 class StepOutput:
-    sampled: torch.Tensor  # [S] token ids, aligned with StepInput.sample_rows (driver rank only)
+    sampled: torch.Tensor  # [S, W] token ids per sample row (driver rank only)
+    num_tokens: torch.Tensor  # [S] how many of each row's W tokens are real (1 without drafts)
     expert_load: Optional[torch.Tensor] = None  # [num_moe_layers, num_experts] routed tokens
     slot_load: Optional[torch.Tensor] = None  # [num_moe_layers, slots] tokens this rank's slots computed
     logits: Optional[torch.Tensor] = None  # [S, vocab], only when StepInput.return_logits
@@ -44,11 +50,14 @@ class StepOutput:
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int) -> StepInput:
     input_ids, query_lens, context_lens, tables = [], [], [], []
     rows, temps, ks, ps, seeds, pos_out = [], [], [], [], [], []
+    drafts, draft_probs = [], []
     for b, s in enumerate(scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
         input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
-        query_lens.append(s.num_new_tokens)
-        context_lens.append(start + s.num_new_tokens)
+        if s.proposal is not None:  # the drafts follow the last known token
+            input_ids.extend(s.proposal.tokens)
+        query_lens.append(s.num_new_tokens + s.num_draft)
+        context_lens.append(start + s.num_new_tokens + s.num_draft)
         tables.append(block_tables[seq.seq_id])
         if s.samples:
             p = seq.params
@@ -58,6 +67,8 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
             ps.append(p.top_p)
             seeds.append(-1 if p.seed is None else p.seed)
             pos_out.append(seq.num_output_tokens)
+            drafts.append(s.proposal.tokens if s.proposal is not None else [])
+            draft_probs.append(s.proposal.probs if s.proposal is not None else None)
     width = max(len(t) for t in tables)
     bt = torch.zeros(len(tables), width, dtype=torch.long)
     for b, t in enumerate(tables):
@@ -74,32 +85,58 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
         seeds=torch.tensor(seeds, dtype=torch.long),
         positions_out=torch.tensor(pos_out, dtype=torch.long),
         block_size=block_size,
+        **_draft_fields(drafts, draft_probs),
     )
+
+
+def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
+    K = max((len(d) for d in drafts), default=0)
+    if K == 0:
+        return {}
+    S = len(drafts)
+    tokens = torch.zeros(S, K, dtype=torch.long)
+    for i, d in enumerate(drafts):
+        tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+    out = {"draft_tokens": tokens, "num_draft": torch.tensor([len(d) for d in drafts], dtype=torch.long)}
+    if any(p is not None for p in probs):
+        V = next(p for p in probs if p is not None).shape[-1]
+        law = torch.zeros(S, K, V)
+        for i, (d, p) in enumerate(zip(drafts, probs)):
+            if d:
+                law[i, : len(d)] = p if p is not None else torch.nn.functional.one_hot(torch.tensor(d), V).float()
+        out["draft_probs"] = law
+    return out
 
 
 @torch.inference_mode()
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True) -> StepOutput:
-    """Run the model on one StepInput and sample the rows that need a token.
+    """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD)."""
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
     ids = step.input_ids.to(device)
     hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype))
-    last = torch.cumsum(step.query_lens, 0) - 1  # last new token of each sequence
-    sampled = torch.empty(0, dtype=torch.long)
-    logits = None
-    if sample_tokens and step.sample_rows.numel():
-        logits = model.compute_logits(hidden[last[step.sample_rows].to(device)])
-        sampled = sample(
-            logits,
-            step.temperature.to(device),
-            step.top_k.to(device),
-            step.top_p.to(device),
-            step.seeds.to(device),
-            step.positions_out.to(device),
-        ).cpu()
-    elif step.sample_rows.numel() and model.comm.tp_size > 1:
-        model.compute_logits(hidden[last[step.sample_rows].to(device)])  # joins the vocab all-gather
+    ends = torch.cumsum(step.query_lens, 0)[step.sample_rows]  # one past each sample row's last token
+    S = step.sample_rows.numel()
+    nd = step.num_draft if step.num_draft is not None else torch.zeros(S, dtype=torch.long)
+    # rows to score: each sample row's last num_draft + 1 positions
+    counts = nd + 1
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    rows_idx = torch.repeat_interleave(ends - counts, counts) + offsets
+    sampled, num_tokens, logits = torch.empty(S, 1, dtype=torch.long), torch.ones(S, dtype=torch.long), None
+    if S and (sample_tokens or model.comm.tp_size > 1):
+        logits = model.compute_logits(hidden[rows_idx.to(device)])  # non-drivers join the vocab all-gather
+    if sample_tokens and S:
+        args = [t.to(device) for t in (step.temperature, step.top_k, step.top_p, step.seeds, step.positions_out)]
+        if step.num_draft is None:
+            sampled = sample(logits, *args).cpu()[:, None]
+        else:
+            K = step.draft_tokens.shape[1]
+            padded = logits.new_zeros(S, K + 1, logits.shape[-1])
+            padded[torch.repeat_interleave(torch.arange(S), counts), offsets] = logits
+            probs = step.draft_probs.to(device) if step.draft_probs is not None else None
+            tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
+            sampled, num_tokens = tokens.cpu(), num_tokens.cpu()
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
-    return StepOutput(sampled=sampled, expert_load=model.expert_load().cpu(),
+    return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,
                       logits=logits.cpu() if step.return_logits and logits is not None else None)

@@ -1,0 +1,166 @@
+"""Draft proposers behind one interface: `propose(requests) -> proposals`, `free(seq_ids)`.
+
+- `NgramProposer`: prompt lookup. The longest recent n-gram that occurred earlier in the sequence
+  proposes the tokens that followed it; no model, one-hot draft law.
+- `DraftModelProposer`: a small HF causal LM sharing the target's vocabulary, with its own paged KV
+  cache. Its KV follows the accepted tokens: before each proposal it keeps the longest prefix of
+  what it has already computed that still matches the sequence, and recomputes the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .errors import ConfigError
+from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
+from .model.attention import build_metadata
+from .model.loader import load_model
+from .model.spec import ModelSpec, load_spec
+from .sampling import filter_logits
+from .spec_decode import Proposal, _generator
+
+
+@dataclass
+class DraftRequest:
+    seq_id: int
+    token_ids: list[int]  # the whole sequence so far (prompt + accepted output)
+    k: int  # how many tokens to propose at most
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = -1
+    position: int = 0  # output index of the first drafted token (for seeding)
+
+
+class NgramProposer:
+    def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 1):
+        self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        return [Proposal(self._lookup(r.token_ids, r.k)) for r in requests]
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        t = torch.tensor(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            windows = t.unfold(0, n, 1)[:-1]  # every earlier n-gram (not the suffix itself)
+            hits = torch.nonzero((windows == t[-n:]).all(dim=1)).flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n  # the most recent occurrence
+                return tokens[start : start + k]
+        return []
+
+    def free(self, seq_ids) -> None:
+        pass
+
+
+@dataclass
+class _DraftState:
+    fed: list[int] = field(default_factory=list)  # tokens whose KV the drafter holds, in order
+
+
+class DraftModelProposer:
+    def __init__(self, path, target_spec: ModelSpec, dtype: str = "auto", device="cpu", block_size: int = 16,
+                 kv_cache_memory: int = 64 * 2**20, max_batch_tokens: int = 2048):
+        self.spec = load_spec(path, dtype)
+        if self.spec.vocab_size != target_spec.vocab_size:
+            raise ConfigError(
+                f"speculative.draft_model: vocabulary {self.spec.vocab_size} != the target's "
+                f"{target_spec.vocab_size}; the drafter must share the target's tokenizer"
+            )
+        self.device = torch.device(device)
+        self.model = load_model(path, self.spec, device=self.device)
+        self.block_size = block_size
+        num_blocks = plan_num_blocks(self.model, block_size, kv_cache_memory)
+        allocate_kv_cache(self.model, num_blocks, block_size, self.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.state: dict[int, _DraftState] = {}
+        self.max_batch_tokens = max_batch_tokens
+
+    def free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.state.pop(sid, None)
+            self.blocks.free(sid)
+
+    def _forward(self, chunks: list[tuple[int, list[int], int]]):
+        """chunks: (seq_id, new tokens, tokens already cached) -> logits of each chunk's last token."""
+        tables = [self.blocks.block_tables[sid] for sid, _, _ in chunks]
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t)
+        q = torch.tensor([len(c[1]) for c in chunks])
+        ctx = torch.tensor([c[2] + len(c[1]) for c in chunks])
+        positions, meta = build_metadata(q, ctx, bt, self.block_size)
+        ids = torch.tensor([t for c in chunks for t in c[1]], device=self.device)
+        hidden = self.model(ids, positions.to(self.device), meta.to(self.device, self.model.lm_head.weight.dtype))
+        return self.model.compute_logits(hidden[(torch.cumsum(q, 0) - 1).to(self.device)])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        out = {r.seq_id: Proposal([], None) for r in requests}
+        active = []
+        for r in requests:
+            if r.k <= 0:
+                continue
+            st = self.state.setdefault(r.seq_id, _DraftState())
+            common = 0  # roll back to the longest prefix still valid
+            for a, b in zip(st.fed, r.token_ids):
+                if a != b:
+                    break
+                common += 1
+            st.fed = st.fed[: min(common, len(r.token_ids) - 1)]  # always re-feed the last token
+            need = len(r.token_ids) + r.k - 1
+            if not self.blocks.can_allocate(r.seq_id, need):
+                continue  # no room in the drafter's cache: this sequence goes without drafts
+            self.blocks.allocate(r.seq_id, need)
+            active.append(r)
+        if not active:
+            return [out[r.seq_id] for r in requests]
+        # catch up: feed every token not yet cached (the prompt at first, the accepted tokens later)
+        chunks = [(r.seq_id, r.token_ids[len(self.state[r.seq_id].fed):], len(self.state[r.seq_id].fed)) for r in active]
+        logits = self._forward(chunks)
+        for r in active:
+            self.state[r.seq_id].fed = list(r.token_ids)
+        drafts = {r.seq_id: [] for r in active}
+        probs = {r.seq_id: [] for r in active}
+        for step in range(max(r.k for r in active)):
+            temp = torch.tensor([r.temperature for r in active])
+            law = filter_logits(logits, temp, torch.tensor([r.top_k for r in active]),
+                                torch.tensor([r.top_p for r in active])).softmax(-1)
+            noise = torch.empty_like(law).exponential_()
+            for i, r in enumerate(active):
+                if r.seed >= 0:
+                    g = _generator(r.seed, r.position + step, 3, law.device)
+                    noise[i] = torch.empty(law.shape[1], device=law.device).exponential_(generator=g)
+            tok = torch.where(temp.to(law.device) == 0, logits.argmax(-1), (law / noise).argmax(-1)).tolist()
+            for i, r in enumerate(active):
+                drafts[r.seq_id].append(tok[i])
+                probs[r.seq_id].append(law[i])
+            still = [r for r in active if len(drafts[r.seq_id]) < r.k]
+            if not still:
+                break
+            chunks = [(r.seq_id, [drafts[r.seq_id][-1]], len(self.state[r.seq_id].fed)) for r in still]
+            logits = self._forward(chunks)
+            for r in still:
+                self.state[r.seq_id].fed.append(drafts[r.seq_id][-1])
+            active = still
+        for sid in drafts:
+            out[sid] = Proposal(drafts[sid], torch.stack(probs[sid]).cpu())
+        return [out[r.seq_id] for r in requests]
+
+
+def make_proposer(cfg, target_spec: ModelSpec, device="cpu"):
+    """The proposer the config asks for, or None when speculation is off."""
+    sp = cfg.speculative
+    if sp.method == "none" or sp.num_tokens == 0:
+        return None
+    if sp.method == "ngram":
+        return NgramProposer(target_spec.vocab_size)
+    if sp.method == "draft_model":
+        return DraftModelProposer(sp.draft_model, target_spec, cfg.model.dtype, device, cfg.scheduler.block_size)
+    raise ConfigError(f"speculative.method: {sp.method!r} is not available yet; use ngram or draft_model")

@@ -1,0 +1,735 @@
+"""OpenAI-compatible HTTP serving: FastAPI + uvicorn in front of an `EngineClient`.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
+server-sent events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus).
+With an API key every `/v1/*` route needs `Authorization: Bearer <key>`; `/health` and `/metrics`
+stay open. Bad input gets a 400 with an OpenAI-style error body and touches nothing else.
+A client that goes away (mid-stream or while waiting for a non-streamed answer) cancels its
+requests, which frees their KV blocks.
+
+Beyond OpenAI's fields, requests accept (top level or inside `extra_body`): `speculative` (bool,
+default true: speculative decoding for this request), `top_k`, `ignore_eos`, `stop_token_ids`.
+
+    dspark serve [CONFIG] --host 127.0.0.1 --port 8000 --api-key KEY
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import DSparkError, RequestError
+from .sampling import SamplingParams
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def _param_of(loc) -> Optional[str]:
+    """('messages', 0, 'content', 'str') -> 'messages.0.content' (union-branch tags dropped)."""
+    parts = []
+    for x in loc:
+        if isinstance(x, int):
+            parts.append(str(x))
+        elif isinstance(x, str) and x.isidentifier() and x.lower() not in _TYPE_TAGS and x != "body":
+            parts.append(x)
+    return ".".join(parts) or None
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    problems, params = [], []
+    for err in errors:
+        param = _param_of(err.get("loc", ()))
+        if param not in params:
+            params.append(param)
+        got = repr(err.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        problems.append(f"{param or 'body'}: {err.get('msg')} (got {got})")
+    # a union reports one error per branch; the first few say enough
+    return APIError(400, "; ".join(problems[:4]), code="invalid_type" if errors else None, param=params[0] if params else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# request bodies
+# ---------------------------------------------------------------------------------------------
+
+_EXTENSIONS = ("speculative", "top_k", "ignore_eos", "stop_token_ids")
+
+
+class _Body(BaseModel):
+    """Unknown fields are ignored; known ones must have the right JSON type (strict: "5" is not 5)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_extra_body(cls, data: Any) -> Any:
+        # the openai client merges `extra_body` into the top level; raw clients may nest it
+        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+            data = {**data["extra_body"], **{k: v for k, v in data.items() if k != "extra_body"}}
+        return data
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Field(None, ge=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+    # extensions (vLLM-style)
+    speculative: bool = True
+    top_k: Optional[int] = Field(None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class ServerMetrics:
+    """Prometheus metrics in a registry of this server's own (not the process-global one)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("dspark_http_time_to_first_token_seconds",
+                              "Request arrival at the server to its first token, per choice", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("dspark_http_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per choice", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("dspark_http_request_latency_seconds", "Request arrival to its last byte of output",
+                             buckets=_TTFT_BUCKETS, registry=r)
+        self.requests = Counter("dspark_http_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("dspark_http_choices_finished", "Generated choices by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("dspark_http_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.generation_tokens = Counter("dspark_http_generation_tokens", "Tokens generated for served requests",
+                                         registry=r)
+        self.kv_used = Gauge("dspark_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("dspark_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.running = Gauge("dspark_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("dspark_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.preemptions = Gauge("dspark_preemptions", "Preemptions since the engine started", registry=r)
+        self.streams_open = Gauge("dspark_http_streams_open", "Streaming responses in progress", registry=r)
+
+    def set_stats(self, s: dict) -> None:
+        self.kv_used.set(s.get("kv_blocks_used", 0))
+        self.kv_total.set(s.get("kv_blocks_total", 0))
+        self.running.set(s.get("running", 0))
+        self.waiting.set(s.get("waiting", 0))
+        self.preemptions.set(s.get("preemptions", 0))
+
+
+class _CountRequests:
+    """Pure ASGI middleware (streaming and disconnects pass through untouched): counts requests
+    by endpoint and status code."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------
+
+
+class _StopChecker:
+    """Stop strings over streamed text: holds back the last (longest stop - 1) characters until
+    they cannot start a stop string, and cuts the text where one appears."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        """New text -> (text safe to send now, whether a stop string ended the output)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        if self.stops:
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
+            if hits:
+                cut = min(hits)
+                self.text = self.text[:cut]
+                out, self.sent = self.text[self.sent:], cut
+                return out, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+
+@dataclass
+class _Delta:
+    text: str
+    num_tokens: int
+    finish_reason: Optional[str]
+
+
+@dataclass
+class _Job:
+    """One choice: an engine request and where its output goes."""
+
+    index: int
+    request_id: str
+    num_prompt_tokens: int
+    stops: list[str]
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: Optional[str] = None
+    t_first: Optional[float] = None
+    t_last: Optional[float] = None
+
+
+_DONE = object()
+
+
+class _Generation:
+    """The choices of one HTTP request: submitted together, streamed (merged) or collected."""
+
+    def __init__(self, client, metrics: ServerMetrics, jobs: list[_Job], arrival: float, n: int):
+        self.client, self.metrics, self.jobs, self.arrival, self.n = client, metrics, jobs, arrival, n
+
+    async def _pieces(self, job: _Job) -> AsyncIterator[_Delta]:
+        checker = _StopChecker(job.stops)
+        async with contextlib.aclosing(self.client.stream(job.request_id)) as pieces:
+            async for p in pieces:
+                now = time.monotonic()
+                if p.token_ids:
+                    job.num_tokens += len(p.token_ids)
+                    if job.t_first is None:
+                        job.t_first = now
+                        self.metrics.ttft.observe(now - self.arrival)
+                    job.t_last = now
+                text, stopped = checker.feed(p.text, p.finished)
+                job.text += text
+                if stopped:  # returning closes the engine stream before its end: the request is aborted
+                    job.finish_reason = "stop"
+                    yield _Delta(text, len(p.token_ids), "stop")
+                    return
+                if p.finished:
+                    job.finish_reason = p.finish_reason or "stop"
+                yield _Delta(text, len(p.token_ids), job.finish_reason if p.finished else None)
+                if p.finished:
+                    return
+
+    def _observe(self) -> None:
+        m = self.metrics
+        for j in self.jobs:
+            m.generation_tokens.inc(j.num_tokens)
+            if j.finish_reason is not None:
+                m.finished.labels(j.finish_reason).inc()
+            if j.t_first is not None and j.num_tokens > 1 and j.finish_reason is not None:
+                m.tpot.observe((j.t_last - j.t_first) / (j.num_tokens - 1))
+        m.e2e.observe(time.monotonic() - self.arrival)
+
+    async def stream(self) -> AsyncIterator[tuple[int, _Delta]]:
+        """(choice index, delta) in the order they are made; closing it aborts unfinished choices."""
+        try:
+            if len(self.jobs) == 1:
+                job = self.jobs[0]
+                async with contextlib.aclosing(self._pieces(job)) as it:
+                    async for d in it:
+                        yield job.index, d
+                return
+            q: asyncio.Queue = asyncio.Queue()
+
+            async def pump(job: _Job):
+                try:
+                    async with contextlib.aclosing(self._pieces(job)) as it:
+                        async for d in it:
+                            q.put_nowait((job.index, d))
+                    q.put_nowait((job.index, _DONE))
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+                    q.put_nowait((job.index, e))
+
+            tasks = [asyncio.create_task(pump(j)) for j in self.jobs]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    index, item = await q.get()
+                    if item is _DONE:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield index, item
+            finally:
+                for t in tasks:
+                    t.cancel()  # each pump's engine stream closes, aborting its request
+        finally:
+            for j in self.jobs:
+                if j.finish_reason is None:
+                    self.client.abort(j.request_id)
+            self._observe()
+
+    async def collect(self) -> list[_Job]:
+        async with contextlib.aclosing(self.stream()) as it:
+            async for _ in it:
+                pass
+        return self.jobs
+
+    def usage(self) -> dict:
+        seen, prompt = set(), 0
+        for j in self.jobs:  # a prompt counts once however many choices it has
+            key = j.index // self.n
+            if key not in seen:
+                seen.add(key)
+                prompt += j.num_prompt_tokens
+        completion = sum(j.num_tokens for j in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _SSEResponse(StreamingResponse):
+    """StreamingResponse that always closes its generator: a client gone mid-stream cancels the
+    requests even when the generator was paused at a `yield`."""
+
+    def __init__(self, content, **kw):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the app
+# ---------------------------------------------------------------------------------------------
+
+
+def build_app(client, served_model_name: str, api_key: Optional[str] = None,
+              max_model_len: Optional[int] = None) -> FastAPI:
+    """The FastAPI app over `client` (an EngineClient). `max_model_len` defaults to the client's."""
+    max_model_len = int(max_model_len or client.max_model_len)
+    metrics = ServerMetrics()
+    created = int(time.time())
+    app = FastAPI(title="DSpark Cluster", description="OpenAI-compatible MoE serving", docs_url=None, redoc_url=None)
+    app.state.client, app.state.metrics, app.state.served_model_name = client, metrics, served_model_name
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    # ---- errors in OpenAI's shape ----------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return _validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            msg = "missing API key: send 'Authorization: Bearer <key>'" if not header else "incorrect API key provided"
+            raise APIError(401, msg, code="invalid_api_key")
+
+    async def parse(request: Request, model_cls):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                           code="invalid_type")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e.errors()) from None
+        if req.model != served_model_name:
+            raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
+                           code="model_not_found", param="model")
+        if req.presence_penalty or req.frequency_penalty:
+            param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{param}: not supported by this server; leave it at 0", param=param,
+                           code="unsupported_parameter")
+        return req
+
+    def tokenizer_or_400(what: str):
+        tok = client.tokenizer
+        if tok is None:
+            raise APIError(400, f"{what} needs a tokenizer, but the checkpoint ships none; "
+                                "send token ids to /v1/completions instead", param="prompt")
+        return tok
+
+    def check_len(ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param}: empty; give at least one token", param=param)
+        if len(ids) >= max_model_len:
+            raise APIError(
+                400,
+                f"{param}: {len(ids)} tokens, but this model's maximum context length is {max_model_len} "
+                "(the prompt plus at least one new token); shorten the prompt",
+                code="context_length_exceeded", param=param,
+            )
+
+    def sampling(req, max_tokens: int, i: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                seed=None if req.seed is None else req.seed + i,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                speculative=req.speculative,
+            )
+        except RequestError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    async def start(req, prompts: list[list[int]], max_tokens: list[int], prefix: str) -> tuple[str, _Generation]:
+        """Submit every choice (prompt-major, n per prompt); on a refusal abort the ones queued."""
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        jobs, submitted = [], []
+        arrival = time.monotonic()
+        try:
+            params = [sampling(req, mt, i) for mt in max_tokens for i in range(req.n)]
+            for p, ids in enumerate(prompts):
+                for i in range(req.n):
+                    index = p * req.n + i
+                    engine_id = rid if len(prompts) * req.n == 1 else f"{rid}-{index}"
+                    await client.submit(ids, params[index], engine_id)
+                    submitted.append(engine_id)
+                    jobs.append(_Job(index, engine_id, len(ids), stops))
+        except BaseException as e:
+            for r in submitted:
+                client.abort(r)
+            if isinstance(e, RequestError):
+                raise APIError(400, str(e), code="invalid_value") from None
+            raise
+        metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        return rid, _Generation(client, metrics, jobs, arrival, req.n)
+
+    async def collect_unless_gone(request: Request, gen: _Generation) -> list[_Job]:
+        """Collect the output; if the client disconnects first, cancel (which aborts the requests)."""
+        task = asyncio.ensure_future(gen.collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise APIError(499, "client closed the request", code="client_closed")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def stream_error(e: BaseException) -> str:
+        return _sse(APIError(500, f"generation failed: {e}", type="server_error").body())
+
+    # ---- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        try:
+            s = await asyncio.wait_for(client.stats(), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
+        return {"status": "ok", "running": s.get("running"), "waiting": s.get("waiting")}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        with contextlib.suppress(Exception):
+            metrics.set_stats(await asyncio.wait_for(client.stats(), timeout=5))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": created, "owned_by": "dspark",
+                "root": client.model_path, "max_model_len": max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        check_auth(request)
+        if model_id != served_model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist", code="model_not_found", param="model")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        req: CompletionRequest = await parse(request, CompletionRequest)
+        for field in ("logprobs", "suffix"):
+            if getattr(req, field) is not None:
+                raise APIError(400, f"{field}: not supported by this server", param=field, code="unsupported_parameter")
+        if req.echo:
+            raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported_parameter")
+        if req.best_of not in (None, 1, req.n):
+            raise APIError(400, "best_of: not supported by this server (use n)", param="best_of",
+                           code="unsupported_parameter")
+        p = req.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif p and all(isinstance(x, str) for x in p):
+            texts = list(p)
+        else:
+            texts = None
+        if texts is not None:
+            tok = tokenizer_or_400("a text prompt")
+            prompts = [list(tok(t)["input_ids"]) for t in texts]
+        elif p and isinstance(p[0], list):
+            prompts = [list(x) for x in p]
+        else:
+            prompts = [list(p)]
+        if len(prompts) * req.n > 256:
+            raise APIError(400, f"{len(prompts)} prompts x n={req.n}: at most 256 choices per request", param="n")
+        for k, ids in enumerate(prompts):
+            check_len(ids, "prompt" if len(prompts) == 1 else f"prompt.{k}")
+        rid, gen = await start(req, prompts, [req.max_tokens] * len(prompts), "cmpl")
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        if req.stream:
+            async def events():
+                metrics.streams_open.inc()
+                try:
+                    async with contextlib.aclosing(gen.stream()) as it:
+                        async for index, d in it:
+                            if not d.text and d.finish_reason is None:
+                                continue
+                            choice = {"index": index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                            yield _sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": gen.usage()})
+                    yield "data: [DONE]\n\n"
+                except DSparkError as e:
+                    yield stream_error(e)
+                finally:
+                    metrics.streams_open.dec()
+
+            return _SSEResponse(events())
+
+        jobs = await collect_unless_gone(request, gen)
+        choices = [{"index": j.index, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason} for j in jobs]
+        return {**base, "choices": choices, "usage": gen.usage()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        if req.logprobs:
+            raise APIError(400, "logprobs: not supported by this server", param="logprobs", code="unsupported_parameter")
+        if req.tools:
+            raise APIError(400, "tools: not supported by this server", param="tools", code="unsupported_parameter")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format",
+                           code="unsupported_parameter")
+        tok = tokenizer_or_400("chat")
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+                           param="messages", code="no_chat_template")
+        messages = []
+        for k, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages.{k}.content: only text parts are supported, got {part.type!r}",
+                                       param=f"messages.{k}.content", code="unsupported_content")
+                    texts.append(part.text)
+                content = "".join(texts)
+            msg = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 -- a template that refuses these messages
+            raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        check_len(ids, "messages")
+        max_tokens = req.max_completion_tokens or req.max_tokens or (max_model_len - len(ids))
+        rid, gen = await start(req, [ids], [max_tokens], "chatcmpl")
+        base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
+                "created": int(time.time()), "model": served_model_name}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        if req.stream:
+            async def events():
+                metrics.streams_open.inc()
+                extra = {"usage": None} if include_usage else {}
+                try:
+                    for j in gen.jobs:  # the role first, as OpenAI does
+                        choice = {"index": j.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}
+                        yield _sse({**base, "choices": [choice], **extra})
+                    async with contextlib.aclosing(gen.stream()) as it:
+                        async for index, d in it:
+                            if d.text:
+                                choice = {"index": index, "delta": {"content": d.text}, "logprobs": None,
+                                          "finish_reason": None}
+                                yield _sse({**base, "choices": [choice], **extra})
+                            if d.finish_reason is not None:
+                                choice = {"index": index, "delta": {}, "logprobs": None,
+                                          "finish_reason": d.finish_reason}
+                                yield _sse({**base, "choices": [choice], **extra})
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": gen.usage()})
+                    yield "data: [DONE]\n\n"
+                except DSparkError as e:
+                    yield stream_error(e)
+                finally:
+                    metrics.streams_open.dec()
+
+            return _SSEResponse(events())
+
+        jobs = await collect_unless_gone(request, gen)
+        choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text}, "logprobs": None,
+                    "finish_reason": j.finish_reason} for j in jobs]
+        return {**base, "choices": choices, "usage": gen.usage()}
+
+    return app
+
+
+def default_model_name(cfg) -> str:
+    return os.path.basename(str(cfg.model.path).rstrip("/")) or "model"
+
+
+def serve(cfg, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+          served_model_name: Optional[str] = None, log_level: str = "info") -> None:
+    """Start the engine the config asks for (in process or a Router actor) and serve it until
+    interrupted; the engine is shut down on the way out."""
+    import uvicorn
+
+    from .client import EngineClient
+
+    name = served_model_name or default_model_name(cfg)
+    client = EngineClient.start(cfg)
+    try:
+        app = build_app(client, name, api_key=api_key)
+        auth = "on" if api_key else "off"
+        print(f"dspark serve: model '{name}' ({cfg.parallel.executor} executor) on http://{host}:{port}/v1 "
+              f"(API key {auth}, max_model_len {client.max_model_len})", flush=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        client.shutdown()
