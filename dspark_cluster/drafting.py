@@ -58,9 +58,13 @@ class RayDrafterGroup:
         n = cfg.speculative.draft_workers
         device = "cuda" if cfg.parallel.device in ("auto", "cuda") and ray.cluster_resources().get("GPU", 0) >= (
             cfg.parallel.world_size + n) else "cpu"
-        cls = ray.remote(Drafter).options(num_cpus=1 if device == "cpu" else 0, num_gpus=1 if device == "cuda" else 0)
+        cls = ray.remote(Drafter)
         tag = uuid.uuid4().hex[:8]
-        self.actors = [cls.options(name=f"dspark-drafter-{tag}-{i}").remote(cfg.to_dict(), device) for i in range(n)]
+        self.actors = [
+            cls.options(name=f"dspark-drafter-{tag}-{i}", num_cpus=1 if device == "cpu" else 0,
+                        num_gpus=1 if device == "cuda" else 0).remote(cfg.to_dict(), device)
+            for i in range(n)
+        ]
         ray.get([a.ready.remote() for a in self.actors], timeout=300)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
