@@ -26,6 +26,8 @@ class RayMetrics:
         self.running = Gauge("dspark_num_running_seqs", "Sequences in the last step", tag_keys=tags)
         self.step_tokens = Gauge("dspark_step_tokens", "Tokens in the last step", tag_keys=tags)
         self.kv_used = Gauge("dspark_kv_blocks_used", "KV cache blocks in use", tag_keys=tags)
+        self.draft_tokens = Counter("dspark_spec_draft_tokens_total", "Draft tokens proposed", tag_keys=tags)
+        self.accepted_tokens = Counter("dspark_spec_accepted_tokens_total", "Draft tokens accepted", tag_keys=tags)
 
     def observe_step(self, s: dict) -> None:
         self.step_time.observe(s["step_time_s"], self.tags)
@@ -48,4 +50,8 @@ class RayMetrics:
         self.requests.inc(1, {**self.tags, "finish_reason": seq.finish_reason or "unknown"})
         if m["num_output_tokens"]:
             self.gen_tokens.inc(m["num_output_tokens"], self.tags)
+        if m["num_draft_tokens"]:
+            self.draft_tokens.inc(m["num_draft_tokens"], self.tags)
+        if m["num_accepted_tokens"]:
+            self.accepted_tokens.inc(m["num_accepted_tokens"], self.tags)
         self.prompt_tokens.inc(m["num_prompt_tokens"], self.tags)

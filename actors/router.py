@@ -47,6 +47,9 @@ class Router:
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    def set_speculation(self, enabled: bool) -> None:
+        self.core.set_speculation(enabled)
+
     def stats(self) -> dict:
         return self.core.stats()
 

@@ -68,6 +68,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self.engine.enqueue(arg)
+            elif kind == "speculation":
+                self.engine.set_speculation(arg)
             elif kind == "abort":
                 removed = self.engine.scheduler.abort(arg)
                 self._deliver([TokenEvent(s.request_id, [], True, "abort", s) for s in removed])
@@ -175,6 +177,7 @@ class AsyncEngine:
             "steps": self.engine.step_stats[first_step:],
             "kv_blocks_total": self.engine.num_blocks,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
+            "speculative": self.engine.drafter.stats.summary() if self.engine.drafter is not None else None,
         }
 
     def stats(self) -> dict:
@@ -186,7 +189,14 @@ class AsyncEngine:
             "waiting": len(eng.scheduler.waiting),
             "preemptions": eng.scheduler.num_preemptions,
             "steps": len(eng.step_stats),
+            "speculation_enabled": eng.scheduler.speculation_enabled,
+            "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,
         }
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch speculative decoding on or off for all requests, from the next step."""
+        self._commands.put(("speculation", enabled))
+        self._wake.set()
 
     def shutdown(self) -> None:
         self._stop = True

@@ -107,6 +107,14 @@ def format_summary(summary: dict) -> str:
         ("KV blocks peak / total", f"{s.get('kv_blocks_peak', 'n/a')} / {s.get('kv_blocks_total', 'n/a')}"),
         ("preemptions", f"{s.get('preemptions', 'n/a')}"),
     ]
+    spec = s.get("speculative")
+    if spec:
+        acc = " ".join(_num(a, 1, ".2f") for a in spec["acceptance_by_position"])
+        rows += [
+            ("accepted length tau", _num(spec["mean_accepted_length"], 1, ".2f")),
+            ("acceptance by position", acc),
+            ("draft / verify time (s)", f"{_num(spec['draft_time_s'], 1, '.2f')} / {_num(spec['verify_time_s'], 1, '.2f')}"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -56,6 +56,8 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
         bar.n = len(requests)
         bar.close()
     summary = summarize(raw["requests"], raw["steps"], raw["duration_s"], raw["kv_blocks_total"], raw["preemptions"])
+    if raw.get("speculative"):
+        summary["speculative"] = raw["speculative"]
     report = {"config": cfg.to_dict(), "summary": summary, "requests": raw["requests"], "steps": raw["steps"]}
     name = cfg.report.name or time.strftime("run-%Y%m%d-%H%M%S")
     out_dir = Path(cfg.report.out_dir) / name

@@ -527,7 +527,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         task = asyncio.ensure_future(gen.collect())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
+                done, _ = await asyncio.wait({task}, timeout=0.25)
                 if done:
                     return task.result()
                 if await request.is_disconnected():
