@@ -50,6 +50,13 @@ class Router:
     def set_speculation(self, enabled: bool) -> None:
         self.core.set_speculation(enabled)
 
+    def balancer_summary(self) -> dict:
+        b = self.core.engine.balancer
+        return b.summary() if b is not None else {}
+
+    def rebalance_now(self) -> None:
+        self.core.rebalance_now()
+
     def stats(self) -> dict:
         return self.core.stats()
 

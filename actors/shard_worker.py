@@ -59,9 +59,14 @@ class ShardWorker:
                                                    cfg.eplb.num_redundant_experts)
             expert_ids = [self.placement.rank_experts(layer, self.rank) for layer in range(num_moe)]
         self.model = load_model(cfg.model.path, spec, comm, expert_ids, device=self.device)
+        self.dispatchers = []
         if expert_ids is not None:
             for layer, moe in enumerate(self.model.moe_layers):
                 moe.dispatch = ExpertParallelDispatch(self.state, self.placement, layer)
+                self.dispatchers.append(moe.dispatch)
+        if cfg.workload.hot_experts:
+            self.model.set_study_router_bias(cfg.workload.hot_experts, cfg.workload.hot_bias)
+        self.migration, self.migration_version = None, None
         return self.memory_report()
 
     def memory_report(self) -> dict:
@@ -92,8 +97,27 @@ class ShardWorker:
     def step(self, step_input):
         from dspark_cluster.step import execute_step
 
+        if step_input.commit_placement is not None and self.migration is not None:
+            if step_input.commit_placement == self.migration_version:
+                self.migration.commit(self.dispatchers)
+                self.placement = self.migration.new
+            self.migration = self.migration_version = None
+        if step_input.placement_update is not None and self.migration is None:
+            self._start_migration(*step_input.placement_update)
         out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0)
+        if self.migration is not None:
+            out.migration_ready = self.migration.done()
+            out.migration_bytes = self.migration.bytes_sent
         return out
+
+    def _start_migration(self, version: int, phy2log) -> None:
+        """Stage a new expert placement in the background (steps keep using the old one)."""
+        from dspark_cluster.placement import placement_from_phy2log
+        from parallel.migration import Migration
+
+        new = placement_from_phy2log(torch.as_tensor(phy2log), self.spec.num_experts, self.world_size)
+        self.migration = Migration(self.state, self.state.migration_group, self.model.moe_layers, self.placement, new)
+        self.migration_version = version
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot()

@@ -68,6 +68,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self.engine.enqueue(arg)
+            elif kind == "rebalance":
+                self.engine.rebalance_now()
             elif kind == "speculation":
                 self.engine.set_speculation(arg)
             elif kind == "abort":
@@ -178,6 +180,7 @@ class AsyncEngine:
             "kv_blocks_total": self.engine.num_blocks,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
             "speculative": self.engine.drafter.stats.summary() if self.engine.drafter is not None else None,
+            "experts": self.engine.balancer.summary() if self.engine.balancer is not None else None,
         }
 
     def stats(self) -> dict:
@@ -192,6 +195,11 @@ class AsyncEngine:
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,
         }
+
+    def rebalance_now(self) -> None:
+        """Ask for an expert rebalance at the next step."""
+        self._commands.put(("rebalance", None))
+        self._wake.set()
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculative decoding on or off for all requests, from the next step."""

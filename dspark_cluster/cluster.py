@@ -127,6 +127,9 @@ class Cluster:
         out = outs[0]  # rank 0 samples; every rank reports the load its expert slots computed
         if out.slot_load is not None:
             out.slot_load = torch.stack([o.slot_load for o in outs])  # [world, layers, slots per rank]
+        if out.migration_ready is not None:
+            out.migration_ready = all(bool(o.migration_ready) for o in outs)
+            out.migration_bytes = sum(o.migration_bytes for o in outs)
         return out
 
     def debug_logits(self, step: StepInput) -> torch.Tensor:

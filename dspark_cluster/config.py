@@ -82,6 +82,9 @@ class EplbConfig(_Section):
     window_steps: int = Field(100, ge=1)
     interval_steps: int = Field(200, ge=1)
     policy: Literal["global", "hierarchical"] = "global"
+    num_nodes: int = Field(1, ge=1)  # for the hierarchical policy
+    num_groups: Optional[int] = Field(None, ge=1)  # expert groups; default: the model's n_group
+    min_gain: float = Field(0.02, ge=0)  # rebalance only when balancedness would rise by this much
 
 
 class WorkloadConfig(_Section):
@@ -94,6 +97,9 @@ class WorkloadConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     ignore_eos: bool = True  # fixed output lengths make runs comparable
     seed: int = 0
+    # hot-spot studies only: bias added to these experts' gate logits in every MoE layer (changes outputs)
+    hot_experts: list[int] = Field(default_factory=list)
+    hot_bias: float = 0.0
 
     @model_validator(mode="after")
     def _check(self):
@@ -268,6 +274,9 @@ def check_against_model(cfg: Config) -> list[str]:
             f"parallel: tensor x data = {world} must divide the {experts} experts + "
             f"{cfg.eplb.num_redundant_experts} redundant (eplb.num_redundant_experts) = {slots} expert slots"
         )
+    bad_hot = [e for e in cfg.workload.hot_experts if not 0 <= e < max(experts, 1)]
+    if bad_hot:
+        problems.append(f"workload.hot_experts: got {bad_hot}; expert ids must be in [0, {experts})")
     if not experts and cfg.eplb.enabled:
         problems.append("eplb.enabled: got True; the model has no experts, set eplb.enabled=false")
     if cfg.eplb.num_redundant_experts and experts and cfg.eplb.num_redundant_experts > experts * (world - 1):

@@ -99,6 +99,15 @@ class LLMEngine:
         lookahead = cfg.speculative.num_tokens if self.drafter is not None else 0
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                    lookahead)
+        self.balancer = None
+        if self.spec.is_moe:
+            from .balancer import ExpertBalancer
+
+            self.balancer = ExpertBalancer(cfg, sum(self.spec.moe_layers), self.spec.num_experts,
+                                           cfg.parallel.world_size, self.spec.n_group)
+            self.balancer.enabled = self.balancer.enabled and cfg.parallel.world_size > 1
+        self._commit_version = None
+        self._migration_bytes = 0
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.seqs: dict[str, Sequence] = {}
         self.step_stats: list[dict] = []
@@ -164,8 +173,18 @@ class LLMEngine:
             return events
         self._attach_drafts(sched.scheduled)
         step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
+        if self.balancer is not None and self.cfg.parallel.world_size > 1:
+            step_in.commit_placement, self._commit_version = self._commit_version, None
+            step_in.placement_update = self.balancer.placement_update()
         t_verify = time.perf_counter()
         out = self.executor.execute(step_in)
+        if self.balancer is not None:
+            self.balancer.observe(out.expert_load)
+            if step_in.commit_placement is not None:
+                self.balancer.committed(self._migration_bytes)
+            elif out.migration_ready:
+                self._migration_bytes = out.migration_bytes
+                self._commit_version = self.balancer.commit_version(True)
         rows = [sched.scheduled[r] for r in step_in.sample_rows.tolist()]
         sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
         if self.drafter is not None:
@@ -208,6 +227,11 @@ class LLMEngine:
                                       None if prop.probs is None else prop.probs[: s.num_lookahead])
         if not self.drafter.alive:
             self.scheduler.speculation_enabled = False
+
+    def rebalance_now(self) -> None:
+        """Rebalance experts at the next step (world > 1), whatever the interval."""
+        if self.balancer is not None:
+            self.balancer.request()
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation on or off for every request, at run time."""

@@ -107,6 +107,8 @@ def format_summary(summary: dict) -> str:
         ("KV blocks peak / total", f"{s.get('kv_blocks_peak', 'n/a')} / {s.get('kv_blocks_total', 'n/a')}"),
         ("preemptions", f"{s.get('preemptions', 'n/a')}"),
     ]
+    if "balancedness_mean" in s:
+        rows.append(("expert balancedness (window)", f"{_num(s['balancedness_mean'], 1, '.3f')}, {s.get('rebalances', 0)} rebalances"))
     spec = s.get("speculative")
     if spec:
         acc = " ".join(_num(a, 1, ".2f") for a in spec["acceptance_by_position"])
@@ -243,3 +245,40 @@ def _plot_step_time(plt, requests, steps, kv_total):
         _no_data(ax)
     return fig
 
+
+
+def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:
+    """Heat maps from a balancer summary: layer x expert tokens, and rank x time tokens with the
+    rebalance commits marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = Path(out_dir)
+    paths = []
+    total = np.asarray(experts.get("expert_load_total") or [[0]], dtype=float)
+    fig, ax = plt.subplots(figsize=(8, 2.5 + 0.25 * total.shape[0]))
+    im = ax.imshow(total, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set(xlabel="logical expert", ylabel="MoE layer", title="tokens routed per expert (whole run)")
+    fig.colorbar(im, ax=ax, label="tokens")
+    fig.tight_layout()
+    paths.append(out / "expert_load_heatmap.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    history = experts.get("rank_history") or []
+    if history and len(history[0]) > 1:
+        fig, ax = plt.subplots(figsize=(9, 3))
+        h = np.asarray(history, dtype=float).T  # [ranks, steps]
+        h = h / np.maximum(h.mean(axis=0, keepdims=True), 1e-9)  # share of the step's mean: 1 = even
+        im = ax.imshow(h, aspect="auto", cmap="coolwarm", interpolation="nearest", vmin=0, vmax=2)
+        for e in experts.get("rebalances", []):
+            ax.axvline(e["committed_at_step"], color="black", lw=1)
+        ax.set(xlabel="step (black: rebalance committed)", ylabel="rank", title="tokens per rank / mean rank, per step")
+        fig.colorbar(im, ax=ax, label="load / mean (1 = balanced)")
+        fig.tight_layout()
+        paths.append(out / "rank_load_heatmap.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .config import Config
-from .report import summarize, write_report
+from .report import plot_expert_heatmaps, summarize, write_report
 from .workload import make_workload
 
 
@@ -58,9 +58,16 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
     summary = summarize(raw["requests"], raw["steps"], raw["duration_s"], raw["kv_blocks_total"], raw["preemptions"])
     if raw.get("speculative"):
         summary["speculative"] = raw["speculative"]
-    report = {"config": cfg.to_dict(), "summary": summary, "requests": raw["requests"], "steps": raw["steps"]}
+    experts = raw.get("experts")
+    if experts:
+        summary["balancedness_mean"] = experts["balancedness_mean"]
+        summary["rebalances"] = len(experts["rebalances"])
+    report = {"config": cfg.to_dict(), "summary": summary, "requests": raw["requests"], "steps": raw["steps"],
+              "experts": experts}
     name = cfg.report.name or time.strftime("run-%Y%m%d-%H%M%S")
     out_dir = Path(cfg.report.out_dir) / name
     write_report(report, out_dir)
+    if experts:
+        plot_expert_heatmaps(experts, out_dir)
     report["out_dir"] = str(out_dir)
     return report

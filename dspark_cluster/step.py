@@ -35,6 +35,8 @@ class StepInput:
     draft_tokens: Optional[torch.Tensor] = None  # [S, K] long
     num_draft: Optional[torch.Tensor] = None  # [S] long
     draft_probs: Optional[torch.Tensor] = None  # [S, K, V] draft law (None: one-hot drafts)
+    placement_update: Optional[tuple] = None  # (version, phy2log [L, S]): start migrating experts
+    commit_placement: Optional[int] = None  # version: switch to it before this step's forward
     return_logits: bool = False  # diagnostics (parity tests): also return the sampled rows' logits
 
 
@@ -45,6 +47,8 @@ class StepOutput:
     expert_load: Optional[torch.Tensor] = None  # [num_moe_layers, num_experts] routed tokens
     slot_load: Optional[torch.Tensor] = None  # [num_moe_layers, slots] tokens this rank's slots computed
     logits: Optional[torch.Tensor] = None  # [S, vocab], only when StepInput.return_logits
+    migration_ready: Optional[bool] = None  # an expert migration is staged and complete on this rank
+    migration_bytes: int = 0
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int) -> StepInput:

@@ -232,6 +232,8 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * I, H))
         self.w2 = nn.Parameter(torch.empty(n, H, I))
         self.register_buffer("local_ids", torch.full((E,), -1, dtype=torch.long), persistent=False)
+        # added to the gate logits; zero unless a hot-spot study sets it (workload.hot_experts)
+        self.register_buffer("study_router_bias", torch.zeros(E), persistent=False)
         self.set_expert_ids(self.expert_ids)
         if spec.shared_intermediate_size:
             self.shared = MLP(H, spec.shared_intermediate_size, comm)
@@ -249,7 +251,7 @@ class MoE(nn.Module):
         self.local_ids = local.to(self.local_ids.device)
 
     def forward(self, x):
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), self.gate.weight.float()) + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))
         self.last_load = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         if self.dispatch is not None:

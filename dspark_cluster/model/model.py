@@ -81,6 +81,14 @@ class DecoderModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.spec)[0].to(device)
         for moe in self.moe_layers:
             moe.set_expert_ids(moe.expert_ids)
+            moe.study_router_bias = torch.zeros(self.spec.num_experts, device=device)
+
+    def set_study_router_bias(self, experts, bias: float) -> None:
+        """Hot-spot studies only: add `bias` to the gate logits of `experts` in every MoE layer.
+        This changes the model's outputs; it exists to make chosen experts hot on purpose."""
+        for moe in self.moe_layers:
+            moe.study_router_bias.zero_()
+            moe.study_router_bias[list(experts)] = float(bias)
 
     @property
     def attention_layers(self):

@@ -1,0 +1,117 @@
+"""Expert-load telemetry and live rebalancing on the router side.
+
+Every step's StepOutput carries tokens per (MoE layer, logical expert). The balancer keeps a
+sliding window of them, reports balancedness (mean / max tokens per rank, per layer) under the
+current placement, and every `interval_steps` (or on demand) asks the EPLB policy for a better
+placement. A change is then staged on the workers in the background and committed at a step
+boundary once every rank holds its new experts: outputs never change, only where experts live.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from . import eplb
+from .placement import ExpertPlacement, default_placement
+
+
+class ExpertBalancer:
+    def __init__(self, cfg, num_moe_layers: int, num_experts: int, num_ranks: int, n_group: int = 1):
+        e = cfg.eplb
+        self.enabled = e.enabled
+        self.window_steps, self.interval_steps, self.min_gain = e.window_steps, e.interval_steps, e.min_gain
+        self.num_ranks, self.num_nodes = num_ranks, e.num_nodes
+        self.num_groups = e.num_groups or n_group
+        self.policy = e.policy
+        self.placement: ExpertPlacement = default_placement(num_moe_layers, num_experts, num_ranks, e.num_redundant_experts)
+        self.window: deque = deque(maxlen=self.window_steps)
+        self.total = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
+        self.rank_history: list[list[float]] = []  # per step: tokens per rank (all layers)
+        self.steps = 0
+        self.version = 0
+        self.pending: Optional[dict] = None  # a staged placement: version, phy2log, started, state
+        self.requested = False
+        self.events: list[dict] = []
+
+    # ---- telemetry ------------------------------------------------------------------------
+    def observe(self, expert_load: Optional[torch.Tensor]) -> None:
+        if expert_load is None or not expert_load.numel():
+            return
+        self.steps += 1
+        self.window.append(expert_load)
+        self.total += expert_load
+        self.rank_history.append(eplb.rank_load(expert_load.float(), self.placement.phy2log, self.num_ranks).sum(0).tolist())
+
+    def window_load(self) -> torch.Tensor:
+        return torch.stack(list(self.window)).sum(0) if self.window else self.total.clone()
+
+    def balancedness(self, load: Optional[torch.Tensor] = None, phy2log: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[L] mean / max tokens per rank over the window (1.0 = perfectly even)."""
+        load = self.window_load() if load is None else load
+        return eplb.balancedness(load.float(), self.placement.phy2log if phy2log is None else phy2log, self.num_ranks)
+
+    def imbalance(self) -> torch.Tensor:
+        return eplb.imbalance(self.window_load().float(), self.placement.phy2log, self.num_ranks)
+
+    def save_load(self, path) -> None:
+        torch.save({"window": self.window_load(), "total": self.total, "phy2log": self.placement.phy2log}, str(path))
+
+    @staticmethod
+    def load_load(path) -> dict:
+        return torch.load(str(path))
+
+    # ---- rebalancing ----------------------------------------------------------------------
+    def request(self) -> None:
+        """Rebalance at the next step, whatever the interval."""
+        self.requested = True
+
+    def placement_update(self) -> Optional[tuple]:
+        """What to attach to the next StepInput: (version, phy2log) to start a migration, or None."""
+        if self.pending is not None or not self.window:
+            return None
+        due = self.enabled and self.steps and self.steps % self.interval_steps == 0
+        if not (due or self.requested):
+            return None
+        self.requested = False
+        load = self.window_load().float()
+        phy2log, _, _ = eplb.rebalance(load, self.placement.num_slots, self.num_groups, self.num_nodes, self.num_ranks,
+                                       policy="hierarchical" if self.policy == "hierarchical" else "global")
+        before, after = self.balancedness(load), self.balancedness(load, phy2log)
+        if torch.equal(phy2log, self.placement.phy2log) or float(after.mean() - before.mean()) < self.min_gain:
+            return None
+        self.version += 1
+        self.pending = {"version": self.version, "phy2log": phy2log, "started": time.perf_counter(),
+                        "step": self.steps, "before": before.tolist(), "predicted_after": after.tolist(),
+                        "committing": False}
+        return self.version, phy2log
+
+    def commit_version(self, migration_ready: Optional[bool]) -> Optional[int]:
+        """After a step: once every rank has staged the new experts, the next StepInput commits."""
+        p = self.pending
+        if p is None or p["committing"] or not migration_ready:
+            return None
+        p["committing"] = True
+        return p["version"]
+
+    def committed(self, migration_bytes: int) -> None:
+        """The commit step ran: the new placement is live."""
+        from .placement import placement_from_phy2log
+
+        p = self.pending
+        self.placement = placement_from_phy2log(p["phy2log"], self.placement.log2phy.shape[1], self.num_ranks)
+        self.events.append({"version": p["version"], "at_step": p["step"], "committed_at_step": self.steps,
+                            "duration_s": time.perf_counter() - p["started"], "bytes_moved": migration_bytes,
+                            "balancedness_before": p["before"], "balancedness_predicted": p["predicted_after"]})
+        self.pending = None
+        self.window.clear()  # the new placement starts a fresh window
+
+    def summary(self) -> dict:
+        b = self.balancedness()
+        return {"balancedness_per_layer": b.tolist(), "balancedness_mean": float(b.mean()),
+                "imbalance_per_layer": self.imbalance().tolist(), "rebalances": self.events,
+                "phy2log": self.placement.phy2log.tolist(), "expert_load_total": self.total.tolist(),
+                "rank_history": self.rank_history}
