@@ -34,6 +34,7 @@ BAD = [
     ({"parallel": {"tensor": -2}}, "parallel.tensor"),
     ({"parallel": {"tensor": 3}}, "parallel.tensor"),  # 3 does not divide 4 heads
     ({"parallel": {"tensor": 2, "data": 3}}, "parallel"),  # 8 experts over 6 ranks
+    ({"parallel": {"tensor": 4}, "eplb": {"num_redundant_experts": 2}}, "eplb.num_redundant_experts"),
     ({"parallel": {"executor": "slurm"}}, "parallel.executor"),
     ({"parallel": {"device": "cpu", "backend": "nccl"}}, "parallel.backend"),
     ({"scheduler": {"block_size": 0}}, "scheduler.block_size"),

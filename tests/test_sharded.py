@@ -99,18 +99,22 @@ def test_each_worker_holds_only_its_shard(tensor, checkpoint, ray_cluster):
 def test_impossible_topologies_are_refused_before_any_actor_starts(checkpoint, ray_cluster, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=8, num_key_value_heads=8)).save_pretrained(str(tmp_path / "h8"))
+    for heads in (8, 16):
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=heads, num_key_value_heads=heads)).save_pretrained(
+            str(tmp_path / f"h{heads}"))
     path = checkpoint("qwen2_moe")  # 4 heads, 8 experts
     before = alive_actors("ShardWorker")
     with pytest.raises(ConfigError, match="parallel.tensor"):
         ray_llm(path, 3)
     with pytest.raises(ConfigError, match="expert slots"):
-        LLM(path, config={"parallel": {"executor": "ray", "tensor": 1, "data": 3}})
+        LLM(path, config={"parallel": {"executor": "ray", "tensor": 2}, "eplb": {"num_redundant_experts": 1}})
+    with pytest.raises(ConfigError, match="parallel.data"):
+        LLM(path, config={"parallel": {"executor": "ray", "tensor": 2, "data": 2}})
     with pytest.raises(ConfigError, match="no node has 8 CPU"):
         LLM(tmp_path / "h8", config={"parallel": {"executor": "ray", "tensor": 8}})
     with pytest.raises(ConfigError, match="16 workers.*8 CPU devices"):
-        LLM(path, config={"parallel": {"executor": "ray", "tensor": 4, "data": 4}, "eplb": {"num_redundant_experts": 8}})
+        LLM(tmp_path / "h16", config={"parallel": {"executor": "ray", "tensor": 16}})
     assert alive_actors("ShardWorker") == before
 
 
