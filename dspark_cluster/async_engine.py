@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections import deque
 import threading
 import time
 from typing import AsyncIterator, Optional
@@ -37,7 +38,8 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop = False
         self._error: Optional[BaseException] = None
-        self.finished: list[dict] = []  # per-request metrics of finished requests, for reports
+        # per-request metrics of finished requests, for reports (bounded: a server runs for long)
+        self.finished: deque = deque(maxlen=200_000)
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
 

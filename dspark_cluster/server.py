@@ -78,8 +78,10 @@ def _validation_error(errors: list[dict]) -> APIError:
         got = repr(err.get("input"))
         got = got if len(got) <= 60 else got[:57] + "..."
         problems.append(f"{param or 'body'}: {err.get('msg')} (got {got})")
+    kind = str(errors[0].get("type", "")) if errors else ""
+    code = "invalid_type" if kind.endswith("_type") else "missing_required_parameter" if kind == "missing" else "invalid_value"
     # a union reports one error per branch; the first few say enough
-    return APIError(400, "; ".join(problems[:4]), code="invalid_type" if errors else None, param=params[0] if params else None)
+    return APIError(400, "; ".join(problems[:4]), code=code, param=params[0] if params else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,7 +606,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             raise APIError(400, f"{len(prompts)} prompts x n={req.n}: at most 256 choices per request", param="n")
         for k, ids in enumerate(prompts):
             check_len(ids, "prompt" if len(prompts) == 1 else f"prompt.{k}")
-        rid, gen = await start(req, prompts, [req.max_tokens] * len(prompts), "cmpl")
+        rid, gen = await start(req, prompts, [req.max_tokens or 16] * len(prompts), "cmpl")
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

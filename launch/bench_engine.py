@@ -1,11 +1,14 @@
 """Decode throughput of the in-process engine against transformers `generate`, same checkpoint,
 same thread count, measured in the same run.
 
-    python launch/bench_engine.py [--model PATH] [--threads 1] [--repeats 3]
+    python launch/bench_engine.py [--model PATH] [--threads 1] [--repeats 3] [--profile]
 
 Cases: batch 1 with a 128-token prompt, and batch 16 with prompt lengths mixed around 128; 128 new
 tokens each, greedy, EOS ignored. Decode tokens/s excludes the prefill (time to first token),
 measured separately for both sides.
+
+--profile: after the timings, one generation per side and batch under torch.profiler (top operators
+by self CPU time, per decode step) and cProfile (Python functions by cumulative time).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -62,6 +66,57 @@ def time_hf(model, prompts, new_tokens: int, pad_id: int):
     return total, prefill, [row[width:].tolist() for row in out]
 
 
+def machine() -> str:
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                     if l.startswith("Model name"))
+    except Exception:
+        model = platform.processor() or platform.machine()
+    return f"nproc={os.cpu_count()}, CPU: {model}, Python {platform.python_version()}"
+
+
+def profile(llm, hf, batch: int, vocab: int, new_tokens: int, top: int = 20):
+    """Where a decode step's time goes, both sides. torch.profiler by operator: (a generation of
+    `new_tokens`) - (a generation of 2 tokens), divided by the `new_tokens - 2` steps between, so
+    the numbers are per pure decode step: the prefill, and the one step where the batch-16 prefill's
+    last chunk runs beside the first decodes, are taken out. cProfile by Python function (cumulative, whole run)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    prompts = prompts_for(batch, vocab)
+    steps = new_tokens - 2
+    sides = (("ours", lambda n: time_ours(llm, prompts, n)), ("transformers", lambda n: time_hf(hf, prompts, n, 0)))
+    for name, fn in sides:
+        fn(new_tokens)  # warm
+        per = {}
+        for n in (2, new_tokens):
+            with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                fn(n)
+                wall = time.perf_counter() - t0
+            per[n] = ({e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()}, wall)
+        (short, w1), (long, wn) = per[2], per[new_tokens]
+        diff = {k: (c - short.get(k, (0, 0))[0], t - short.get(k, (0, 0))[1]) for k, (c, t) in long.items()}
+        total = sum(t for _, t in diff.values())
+        print(f"\n### torch.profiler, {name}, batch {batch}: per decode step (generations of {new_tokens} - 2 tokens): "
+              f"wall {(wn - w1) / steps * 1e3:.2f} ms under the profiler, ops' self CPU {total / steps / 1e3:.2f} ms")
+        print("| op | calls/step | self us/step | share |")
+        print("|---|---|---|---|")
+        for k, (c, t) in sorted(diff.items(), key=lambda kv: kv[1][1], reverse=True)[:top]:
+            print(f"| {k} | {c / steps:.1f} | {t / steps:.0f} | {t / total:.1%} |")
+        pr = cProfile.Profile()
+        pr.enable()
+        fn(new_tokens)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(35)
+        print(f"\n### cProfile, {name}, batch {batch}, {new_tokens} tokens (prefill included)")
+        print("\n".join(l for l in buf.getvalue().splitlines() if l.strip()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
@@ -69,7 +124,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--profile", action="store_true", help="also profile one generation per side and batch")
+    ap.add_argument("--profile-tokens", type=int, default=64)
     args = ap.parse_args()
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +152,8 @@ def main():
         results.append(dict(batch=batch, prompt_lens=[len(p) for p in prompts], ours_decode_tok_s=ours_dec,
                             hf_decode_tok_s=hf_dec, decode_ratio=ours_dec / hf_dec, ours_e2e_tok_s=ours_e2e,
                             hf_e2e_tok_s=hf_e2e, e2e_ratio=ours_e2e / hf_e2e, identical_outputs=f"{same}/{batch}"))
-    print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}, {machine()}; "
+          f"load average at start {load_start}, end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours e2e tok/s | transformers e2e tok/s | ratio | same greedy output |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -103,6 +162,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.profile:
+        for batch in (1, 16):
+            profile(llm, hf, batch, vocab, args.profile_tokens)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,415 @@
+"""Sharded execution on Ray (issue 4): collective bytes per decode step, Ray overhead, TP scaling.
+
+    python launch/bench_cluster.py [--model PATH] [--parts comm,overhead,scaling] [--json OUT]
+
+comm      bytes each rank sends per decode step (all-reduce / all-gather / all-to-all), read from the
+          workers' own counters (`Router.comm_stats`), at tensor = 2 and 4, against an analytic count.
+          Decode-only bytes = counters(prefill + N decode steps) - counters(the same prefill alone),
+          divided by N. The analytic all-to-all count replays the same tokens through the
+          in-process model and records each token's top-k experts, so it is exact, not an expectation.
+overhead  decode step time (RequestOutput.metrics["tpot_s"], 128-token greedy generation, batch 1)
+          through the cluster at tensor = 1 (Router actor + one ShardWorker over a Ray compiled
+          graph) against the in-process engine (executor local), one thread each, interleaved.
+scaling   prefill throughput (prompt tokens/s; 8 prompts x 256 tokens, max_tokens=1) at tensor = 2
+          vs tensor = 1, one thread per worker, on a random Qwen3-MoE checkpoint with hidden 1024
+          (built once under /tmp), configurations alternated A B A B.
+
+Ray is started once (`ray.init(num_cpus=8)`); each LLM is shut down before the next starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from dspark_cluster import LLM, SamplingParams  # noqa: E402
+from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster.model.spec import load_spec  # noqa: E402
+
+KINDS = ("all_reduce", "all_gather", "all_to_all")
+
+
+def machine() -> str:
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                     if l.startswith("Model name"))
+    except Exception:
+        model = platform.processor() or platform.machine()
+    return f"nproc={os.cpu_count()}, CPU: {model}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def random_prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def ray_llm(path, tp, threads=1, **sched):
+    cfg = {"model": {"dtype": "float32"},
+           "parallel": {"executor": "ray", "tensor": tp, "threads_per_worker": threads}}
+    if sched:
+        cfg["scheduler"] = sched
+    return LLM(path, config=cfg)
+
+
+def comm_stats(llm) -> list[dict]:
+    import ray
+
+    return ray.get(llm.router.comm_stats.remote())
+
+
+def diff(a: list[dict], b: list[dict]) -> list[dict]:
+    """Per rank: b - a, bytes and calls."""
+    return [{f: {k: rb[f][k] - ra[f][k] for k in KINDS} for f in ("bytes", "calls")} for ra, rb in zip(a, b)]
+
+
+# ---- (a) bytes per decode step -----------------------------------------------------------------
+def record_routing(path, seqs):
+    """Top-k expert ids of every token of every sequence, per MoE layer, from the in-process model
+    (teacher-forced: the same tokens the sharded run decoded). Returns [seq][layer] -> ids [len, k]."""
+    import dspark_cluster.model.layers as layers
+
+    captured = []
+    orig = layers.route
+
+    def spy(logits, spec, bias=None):
+        w, ids = orig(logits, spec, bias)
+        captured.append(ids.clone())
+        return w, ids
+
+    layers.route = spy
+    llm = LLM(path, config={"model": {"dtype": "float32"}, "parallel": {"executor": "local", "threads_per_worker": 1}})
+    try:
+        out = []
+        for s in seqs:  # one request at a time: one prefill step, in order, no chunking for these lengths
+            captured.clear()
+            llm.generate([s], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            out.append(list(captured))
+    finally:
+        layers.route = orig
+        llm.shutdown()
+    return out
+
+
+def analytic_decode_bytes(spec, tp, routing, prompt_lens, n_steps):
+    """Bytes each rank sends per decode step, averaged over the n_steps decode steps, counted the
+    way parallel/comm.py and parallel/expert_parallel.py count them. Returns (per-rank list of
+    {kind: bytes}, per-rank calls)."""
+    H, V, f32 = spec.hidden_size, spec.vocab_size, 4
+    n_moe = sum(spec.moe_layers)
+    n_layers = spec.num_layers
+    has_shared = bool(spec.shared_intermediate_size)
+    B = len(prompt_lens)
+    E = spec.num_experts
+    spr = E // tp  # default placement: slot = expert, rank r holds experts [r*spr, (r+1)*spr)
+    chunk = -(-B // tp)
+    vocab_shard = -(-V // tp)
+    ring = 2 * (tp - 1) / tp
+    # all-reduces per step: embedding + attention per layer + dense MLP / shared expert per layer
+    n_ar = 1 + n_layers + (n_layers - n_moe) + (n_moe if has_shared else 0)
+    ar = n_ar * B * H * f32 * ring
+    ag = n_moe * chunk * H * f32 * (tp - 1) + B * vocab_shard * f32 * (tp - 1)
+    a2a = [0.0] * tp
+    for step in range(n_steps):
+        for layer in range(n_moe):
+            # the step's tokens in schedule order: sequence b's input at position prompt_len + step
+            ids = torch.stack([routing[b][layer][prompt_lens[b] + step] for b in range(B)])  # [B, k]
+            sent = [[0] * tp for _ in range(tp)]  # sent[src][dst] assignments
+            for r in range(tp):
+                for t in range(min(B, r * chunk), min(B, (r + 1) * chunk)):
+                    for e in ids[t].tolist():
+                        sent[r][e // spr] += 1
+            for r in range(tp):
+                out_rows = sum(sent[r][d] for d in range(tp) if d != r)
+                back_rows = sum(sent[s][r] for s in range(tp) if s != r)
+                # hidden rows + int64 slot ids out; expert outputs back to their senders
+                a2a[r] += out_rows * (H * f32 + 8) + back_rows * H * f32
+    per_rank = [{"all_reduce": ar, "all_gather": ag, "all_to_all": a2a[r] / n_steps} for r in range(tp)]
+    calls = {"all_reduce": n_ar, "all_gather": n_moe + 1, "all_to_all": 3 * n_moe}
+    return per_rank, calls
+
+
+def bench_comm(path, tps, batches, prompt_len, n_steps):
+    spec = load_spec(path, "float32")
+    rows = []
+    for B in batches:
+        prompts = random_prompts([prompt_len + 8 * (b % 3) for b in range(B)], spec.vocab_size, seed=B)
+        for tp in tps:
+            llm = ray_llm(path, tp)
+            try:
+                s0 = comm_stats(llm)
+                llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+                s1 = comm_stats(llm)
+                outs = llm.generate(prompts, SamplingParams(max_tokens=n_steps + 1, temperature=0, ignore_eos=True))
+                s2 = comm_stats(llm)
+            finally:
+                llm.shutdown()
+            prefill, both = diff(s0, s1), diff(s1, s2)
+            measured = [{f: {k: (both[r][f][k] - prefill[r][f][k]) / n_steps for k in KINDS} for f in ("bytes", "calls")}
+                        for r in range(tp)]
+            seqs = [p + o.token_ids[:n_steps] for p, o in zip(prompts, outs)]
+            routing = record_routing(path, seqs)
+            expect, calls = analytic_decode_bytes(spec, tp, routing, [len(p) for p in prompts], n_steps)
+            rows.append(dict(batch=B, tensor=tp, measured=measured, analytic=expect, analytic_calls=calls,
+                             prefill_tokens=sum(len(p) for p in prompts),
+                             prefill_bytes_rank0={k: prefill[0]["bytes"][k] for k in KINDS}))
+            print(f"comm B={B} tp={tp}: measured rank0 {measured[0]['bytes']} analytic rank0 {expect[0]}", flush=True)
+    return rows
+
+
+# ---- (b) Ray overhead at tensor = 1 -----------------------------------------------------------
+def proc_cpu() -> dict:
+    """CPU seconds used so far by this driver, the Router actor, the ShardWorkers, and the whole
+    machine (all processes), read from /proc."""
+    tck = os.sysconf("SC_CLK_TCK")
+    out = {"driver": 0.0, "router": 0.0, "workers": 0.0}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        t = (int(st[11]) + int(st[12])) / tck
+        if int(pid) == os.getpid():
+            out["driver"] += t
+        elif cmd.startswith("ray::Router"):
+            out["router"] += t
+        elif cmd.startswith("ray::ShardWorker"):
+            out["workers"] += t
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    out["machine"] = (sum(cpu) - cpu[3] - cpu[4]) / tck  # all but idle and iowait
+    return out
+
+
+def cpu_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in a}
+
+
+def bench_overhead(path, repeats, new_tokens, prompt_len):
+    """The Ray cluster is started and shut down around each of its measurements: an idle compiled
+    graph keeps its reader polling, which would steal a core from the in-process run."""
+    spec = load_spec(path, "float32")
+    prompt = random_prompts([prompt_len], spec.vocab_size, seed=1)[0]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    torch.set_num_threads(1)
+    local = LLM(path, config={"model": {"dtype": "float32"}, "parallel": {"executor": "local", "threads_per_worker": 1}})
+    res = {"local": [], "ray": []}
+    cpu = {"local": [], "ray": []}
+    outs = {}
+    try:
+        local.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+        for i in range(repeats):
+            for name in (("local", "ray") if i % 2 == 0 else ("ray", "local")):
+                if name == "ray":
+                    llm = ray_llm(path, 1)
+                    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                else:
+                    llm = local
+                try:
+                    c0 = proc_cpu()
+                    t0 = time.perf_counter()
+                    o = llm.generate([prompt], params)[0]
+                    wall = time.perf_counter() - t0
+                    cpu[name].append({k: v / wall for k, v in cpu_delta(c0, proc_cpu()).items()})
+                finally:
+                    if name == "ray":
+                        llm.shutdown()
+                        time.sleep(1.0)  # let the actors exit
+                outs[name] = o.token_ids
+                res[name].append((o.metrics["tpot_s"], o.metrics["ttft_s"]))
+    finally:
+        local.shutdown()
+    tl = statistics.median(t for t, _ in res["local"])
+    tr = statistics.median(t for t, _ in res["ray"])
+    ratios = [r[0] / l[0] for l, r in zip(res["local"], res["ray"])]
+    cores = {name: {k: statistics.median(c[k] for c in cpu[name]) for k in cpu[name][0]} for name in cpu}
+    out = dict(local_tpot_ms=tl * 1e3, ray_tpot_ms=tr * 1e3, ratio=tr / tl, ratio_of_pairs_median=statistics.median(ratios),
+               local_ttft_ms=statistics.median(t for _, t in res["local"]) * 1e3,
+               ray_ttft_ms=statistics.median(t for _, t in res["ray"]) * 1e3,
+               repeats=repeats, identical_outputs=outs["local"] == outs["ray"], cores_busy=cores, raw=res)
+    print(f"overhead: local {tl*1e3:.2f} ms  ray {tr*1e3:.2f} ms  ratio {tr/tl:.2f}x  cores {cores}", flush=True)
+    return out
+
+
+# ---- (c) TP scaling on a compute-heavy checkpoint ---------------------------------------------
+def build_big_checkpoint(path: Path, hidden: int, layers: int, vocab: int, experts: int, moe_inter: int) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=moe_inter,
+        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=hidden // 16,
+        num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1,
+    )
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    return path
+
+
+def bench_scaling(path, cycles, repeats, n_prompts, prompt_len):
+    spec = load_spec(path, "float32")
+    prompts = random_prompts([prompt_len] * n_prompts, spec.vocab_size, seed=2)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ntok = n_prompts * prompt_len
+    times = {1: [], 2: []}
+    comm, cores = {}, {}
+    for c in range(cycles):
+        for tp in ((1, 2) if c % 2 == 0 else (2, 1)):
+            llm = ray_llm(path, tp, max_num_batched_tokens=max(2048, ntok))
+            try:
+                llm.generate(prompts[:2], params)  # warm-up
+                s0 = comm_stats(llm)
+                c0 = proc_cpu()
+                t_all = time.perf_counter()
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, params)
+                    times[tp].append(time.perf_counter() - t0)
+                t_all = time.perf_counter() - t_all
+                cores.setdefault(tp, []).append({k: v / t_all for k, v in cpu_delta(c0, proc_cpu()).items()})
+                s1 = comm_stats(llm)
+                comm[tp] = {k: diff(s0, s1)[0]["bytes"][k] / repeats for k in KINDS}
+            finally:
+                llm.shutdown()
+            print(f"scaling cycle {c} tp={tp}: {[f'{ntok / t:.0f}' for t in times[tp][-repeats:]]} tok/s", flush=True)
+    t1, t2 = statistics.median(times[1]), statistics.median(times[2])
+    H, I, E, L = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.num_layers
+    q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attn_proj = 2 * H * (q_out + 2 * kv_out) + 2 * q_out * H  # FLOPs per token
+    attn_sdpa = 2 * 2 * spec.num_heads * spec.head_dim * (prompt_len + 1) / 2  # causal QK^T + PV, per token
+    experts = spec.top_k * 2 * 3 * H * I
+    gate = 2 * H * E
+    flops = ntok * L * (attn_proj + attn_sdpa + experts + gate) + n_prompts * 2 * H * spec.vocab_size
+    out = dict(tp1_tok_s=ntok / t1, tp2_tok_s=ntok / t2, speedup=t1 / t2, tp1_s=t1, tp2_s=t2, prompt_tokens=ntok,
+               flops_per_prefill=flops, tp1_gflops=flops / t1 / 1e9, tp2_gflops=flops / t2 / 1e9,
+               comm_bytes_per_prefill_rank0=comm,
+               cores_busy={tp: {k: statistics.median(c[k] for c in v) for k in v[0]} for tp, v in cores.items()}, raw={str(k): v for k, v in times.items()},
+               model=dict(hidden=H, layers=L, vocab=spec.vocab_size, experts=E, moe_intermediate=I,
+                          heads=spec.num_heads, kv_heads=spec.num_kv_heads))
+    print(f"scaling: tp1 {ntok/t1:.0f} tok/s, tp2 {ntok/t2:.0f} tok/s, speedup {t1/t2:.2f}x", flush=True)
+    return out
+
+
+def fmt_b(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def print_tables(res):
+    print(f"\n{res['machine']}; load average at start {res['loadavg_start']}, end {res['loadavg_end']}")
+    if "comm" in res:
+        print("\nBytes sent per rank per decode step (rank 0 / mean over ranks), measured vs analytic")
+        print("| batch | tensor | all-reduce measured | analytic | all-gather measured | analytic | all-to-all rank 0 measured | analytic | all-to-all mean/rank measured | analytic | calls/step AR/AG/A2A measured | analytic |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["comm"]:
+            m, a = r["measured"], r["analytic"]
+            tp = r["tensor"]
+            mean = lambda rows, key, k: sum(x[key][k] if key else x[k] for x in rows) / tp  # noqa: E731
+            calls = "/".join(f"{m[0]['calls'][k]:g}" for k in KINDS)
+            acalls = "/".join(str(r["analytic_calls"][k]) for k in KINDS)
+            print(f"| {r['batch']} | {tp} | {fmt_b(m[0]['bytes']['all_reduce'])} | {fmt_b(a[0]['all_reduce'])} | "
+                  f"{fmt_b(m[0]['bytes']['all_gather'])} | {fmt_b(a[0]['all_gather'])} | "
+                  f"{fmt_b(m[0]['bytes']['all_to_all'])} | {fmt_b(a[0]['all_to_all'])} | "
+                  f"{fmt_b(mean(m, 'bytes', 'all_to_all'))} | {fmt_b(mean(a, None, 'all_to_all'))} | {calls} | {acalls} |")
+    if "overhead" in res:
+        o = res["overhead"]
+        print(f"\nRay overhead, tensor = 1, batch 1, {o['repeats']} interleaved repeats (medians)")
+        print("| executor | TPOT (ms) | TTFT (ms) |")
+        print("|---|---|---|")
+        print(f"| local (in-process) | {o['local_tpot_ms']:.2f} | {o['local_ttft_ms']:.1f} |")
+        print(f"| ray (Router + 1 ShardWorker, compiled graph) | {o['ray_tpot_ms']:.2f} | {o['ray_ttft_ms']:.1f} |")
+        print(f"ratio ray/local: {o['ratio']:.2f}x (median of paired ratios {o['ratio_of_pairs_median']:.2f}x); "
+              f"same tokens: {o['identical_outputs']}")
+        for name, c in o["cores_busy"].items():
+            print(f"cores busy during the {name} generation: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
+    if "scaling" in res:
+        s = res["scaling"]
+        print(f"\nTP scaling, prefill {s['prompt_tokens']} prompt tokens, model {s['model']}")
+        print("| tensor | prompt tok/s | s per prefill | GFLOP/s | bytes sent by rank 0 (AR / AG / A2A) |")
+        print("|---|---|---|---|---|")
+        for tp in (1, 2):
+            c = s["comm_bytes_per_prefill_rank0"].get(tp, {})
+            print(f"| {tp} | {s[f'tp{tp}_tok_s']:.0f} | {s[f'tp{tp}_s']:.3f} | {s[f'tp{tp}_gflops']:.1f} | "
+                  f"{' / '.join(fmt_b(c.get(k, 0)) for k in KINDS)} |")
+        print(f"speedup tensor 2 / tensor 1: {s['speedup']:.2f}x")
+        for tp, c in s["cores_busy"].items():
+            print(f"cores busy during tensor {tp} prefills: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--parts", default="comm,overhead,scaling")
+    ap.add_argument("--tensors", default="2,4")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--comm-prompt-len", type=int, default=32)
+    ap.add_argument("--overhead-repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--big-model", default="/tmp/dspark-bench/qwen3moe-h1024")
+    ap.add_argument("--big-hidden", type=int, default=1024)
+    ap.add_argument("--big-layers", type=int, default=2)
+    ap.add_argument("--big-vocab", type=int, default=4096)
+    ap.add_argument("--big-moe-inter", type=int, default=1024)
+    ap.add_argument("--scaling-cycles", type=int, default=2)
+    ap.add_argument("--scaling-repeats", type=int, default=3)
+    ap.add_argument("--scaling-prompts", type=int, default=8)
+    ap.add_argument("--scaling-prompt-len", type=int, default=256)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    import ray
+
+    t_start = time.perf_counter()
+    ray.init(num_cpus=8, log_to_driver=False)
+    res = {"machine": machine(), "loadavg_start": loadavg(), "args": vars(args)}
+    try:
+        if "comm" in parts:
+            res["comm"] = bench_comm(args.model, [int(x) for x in args.tensors.split(",")],
+                                     [int(x) for x in args.batches.split(",")], args.comm_prompt_len, args.decode_steps)
+        if "overhead" in parts:
+            res["overhead"] = bench_overhead(args.model, args.overhead_repeats, args.new_tokens, args.prompt_len)
+        if "scaling" in parts:
+            big = build_big_checkpoint(Path(args.big_model), args.big_hidden, args.big_layers, args.big_vocab, 8,
+                                       args.big_moe_inter)
+            res["scaling"] = bench_scaling(str(big), args.scaling_cycles, args.scaling_repeats, args.scaling_prompts,
+                                           args.scaling_prompt_len)
+    finally:
+        ray.shutdown()
+    res["loadavg_end"] = loadavg()
+    res["total_s"] = time.perf_counter() - t_start
+    print_tables(res)
+    print(f"\ntotal time {res['total_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

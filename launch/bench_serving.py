@@ -1,0 +1,205 @@
+"""Continuous batching and `dspark run` (issue 5): serving throughput and latency under load.
+
+    python launch/bench_serving.py [--model PATH] [--threads 1] [--num-requests 64] [--json OUT]
+
+throughput  A mixed workload (synthetic prompts of 8-256 tokens, 8-256 output tokens each, all
+            arriving at t=0) through `runner.run_experiment` with executor local and executor ray
+            (tensor 1), against transformers `generate` with static batches of 16 over the same
+            requests in arrival order (left-padded; each batch decodes to its longest requested
+            output, and only the requested tokens count as output). Repeats are interleaved,
+            rotating the order; medians are reported.
+latency     TTFT and TPOT p50 / p99 under Poisson arrivals at three request rates, chosen from the
+            measured saturation rate (engine output tokens/s at t=0 arrivals / mean output length):
+            below, near and past it.
+
+Ray is started once (`ray.init(num_cpus=8)`). Reports go under --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from dspark_cluster import load_config  # noqa: E402
+from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster.model.spec import load_spec  # noqa: E402
+from dspark_cluster.runner import run_experiment  # noqa: E402
+from dspark_cluster.workload import make_workload  # noqa: E402
+
+
+def machine() -> str:
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                     if l.startswith("Model name"))
+    except Exception:
+        model = platform.processor() or platform.machine()
+    return f"nproc={os.cpu_count()}, CPU: {model}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def make_cfg(args, executor: str, rate: float, name: str):
+    return load_config(None, [
+        f"model.path={args.model}",
+        "model.dtype=float32",
+        f"parallel.executor={executor}",
+        "parallel.tensor=1",
+        f"parallel.threads_per_worker={args.threads}",
+        "workload.kind=synthetic",
+        f"workload.num_requests={args.num_requests}",
+        f"workload.prompt_len=[{args.prompt_len[0]},{args.prompt_len[1]}]",
+        f"workload.output_len=[{args.output_len[0]},{args.output_len[1]}]",
+        f"workload.request_rate={rate}",
+        "workload.temperature=0.0",
+        "workload.ignore_eos=true",
+        f"workload.seed={args.seed}",
+        f"report.out_dir={args.out_dir}",
+        f"report.name={name}",
+    ])
+
+
+def run_engine(args, executor: str, rate: float, name: str) -> dict:
+    rep = run_experiment(make_cfg(args, executor, rate, name), progress=False)
+    s = rep["summary"]
+    return {k: s[k] for k in ("output_tokens_per_s", "output_tokens", "duration_s", "ttft_p50_s", "ttft_p99_s",
+                              "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "mean_batch_size", "steps",
+                              "preemptions", "requests")}
+
+
+def run_hf(model, requests, batch: int, pad_id: int = 0) -> dict:
+    """Static batching: batches of `batch` requests in arrival order, left-padded, each decoding to
+    the longest requested output of its batch."""
+    useful = generated = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch):
+            group = requests[i : i + batch]
+            prompts = [r.prompt for r in group]
+            new = max(r.params.max_tokens for r in group)
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(prompts):
+                ids[j, width - len(p) :] = torch.tensor(p)
+                mask[j, width - len(p) :] = 1
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad_id, eos_token_id=None)
+            useful += sum(r.params.max_tokens for r in group)
+            generated += new * len(group)
+    dt = time.perf_counter() - t0
+    return {"output_tokens_per_s": useful / dt, "output_tokens": useful, "generated_tokens": generated, "duration_s": dt}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads: the engine (local), the shard worker (ray), transformers")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[8, 256])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--executors", default="local,ray", help="engines in the throughput comparison")
+    ap.add_argument("--sweep-executors", default="local", help="engines in the Poisson sweep")
+    ap.add_argument("--rate-factors", default="0.3,0.7,1.5", help="request rates as fractions of the saturation rate")
+    ap.add_argument("--rates", default=None, help="explicit request rates (req/s), overrides --rate-factors")
+    ap.add_argument("--out-dir", default="/tmp/dspark-bench/serving")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    executors = [e for e in args.executors.split(",") if e]
+    sweep_executors = [e for e in args.sweep_executors.split(",") if e]
+    if "ray" in executors + sweep_executors:
+        import ray
+
+        ray.init(num_cpus=8, log_to_driver=False)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    spec = load_spec(args.model, "float32")
+    requests = make_workload(make_cfg(args, "local", 0.0, "x").workload, spec.vocab_size)
+    mean_out = statistics.mean(r.params.max_tokens for r in requests)
+    res = {"machine": machine(), "loadavg_start": loadavg(), "args": vars(args), "mean_output_len": mean_out,
+           "mean_prompt_len": statistics.mean(len(r.prompt) for r in requests)}
+
+    # ---- throughput, t=0 arrivals -----------------------------------------------------------
+    names = executors + ["transformers"]
+    runs = {n: [] for n in names}
+    run_engine(args, "local", 0.0, "warmup")  # warm-up (allocator, kernels)
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for n in order:
+            r = run_hf(hf, requests, args.hf_batch) if n == "transformers" else run_engine(args, n, 0.0, f"tput-{n}-{rep}")
+            runs[n].append(r)
+            print(f"rep {rep} {n}: {r['output_tokens_per_s']:.0f} output tok/s ({r['duration_s']:.1f} s)", flush=True)
+    tput = {n: statistics.median(r["output_tokens_per_s"] for r in runs[n]) for n in names}
+    res["throughput"] = {"median_output_tokens_per_s": tput, "runs": runs,
+                         "ratio_vs_transformers": {n: tput[n] / tput["transformers"] for n in executors},
+                         "transformers_padding_waste": 1 - runs["transformers"][0]["output_tokens"] / runs["transformers"][0]["generated_tokens"]}
+
+    # ---- Poisson sweep ----------------------------------------------------------------------
+    sweep = []
+    for ex in sweep_executors:
+        sat_rate = tput.get(ex, tput[executors[0]]) / mean_out  # requests/s the engine can finish at best
+        rates = [float(x) for x in args.rates.split(",")] if args.rates else \
+            [round(f * sat_rate, 2) for f in (float(x) for x in args.rate_factors.split(","))]
+        for rate in rates:
+            r = run_engine(args, ex, rate, f"poisson-{ex}-{rate}")
+            r.update(executor=ex, request_rate=rate, saturation_rate=sat_rate, offered_tokens_per_s=rate * mean_out)
+            sweep.append(r)
+            print(f"poisson {ex} rate {rate}: ttft p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
+                  f"tpot p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, {r['output_tokens_per_s']:.0f} tok/s", flush=True)
+    res["sweep"] = sweep
+    if "ray" in executors + sweep_executors:
+        import ray
+
+        ray.shutdown()
+    res["loadavg_end"] = loadavg()
+    res["total_s"] = time.perf_counter() - t_start
+
+    # ---- tables -----------------------------------------------------------------------------
+    print(f"\n{res['machine']}; threads {args.threads}; load average at start {res['loadavg_start']}, end {res['loadavg_end']}")
+    print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean {res['mean_prompt_len']:.0f}), "
+          f"outputs {args.output_len[0]}-{args.output_len[1]} (mean {mean_out:.0f}), all at t=0; {args.repeats} interleaved repeats")
+    print("| system | output tok/s (median) | runs | vs transformers | mean batch | steps |")
+    print("|---|---|---|---|---|---|")
+    for n in names:
+        rr = runs[n]
+        extra = (f"{statistics.median(r['mean_batch_size'] for r in rr):.1f} | {statistics.median(r['steps'] for r in rr):.0f}"
+                 if n != "transformers" else f"{args.hf_batch} (static) | -")
+        runs_s = ", ".join(f"{r['output_tokens_per_s']:.0f}" for r in rr)
+        print(f"| {n} | {tput[n]:.0f} | {runs_s} | "
+              f"{tput[n] / tput['transformers']:.2f}x | {extra} |")
+    print(f"transformers static batches: {res['throughput']['transformers_padding_waste']:.0%} of generated tokens past a request's own length")
+    if sweep:
+        print("\nPoisson arrivals (saturation rate = engine output tok/s at t=0 / mean output length)")
+        print("| executor | rate (req/s) | x saturation | offered tok/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | mean batch |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in sweep:
+            print(f"| {r['executor']} | {r['request_rate']:.2f} | {r['request_rate'] / r['saturation_rate']:.2f} | "
+                  f"{r['offered_tokens_per_s']:.0f} | {r['output_tokens_per_s']:.0f} | "
+                  f"{r['ttft_p50_s']*1e3:.0f} / {r['ttft_p99_s']*1e3:.0f} | {r['tpot_p50_s']*1e3:.1f} / {r['tpot_p99_s']*1e3:.1f} | "
+                  f"{r['mean_batch_size']:.1f} |")
+    print(f"\ntotal time {res['total_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
