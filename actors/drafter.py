@@ -25,5 +25,8 @@ class Drafter:
     def propose(self, requests):
         return self.proposer.propose(requests)
 
+    def prefill(self, requests) -> None:
+        self.proposer.prefill(requests)
+
     def free(self, seq_ids) -> None:
         self.proposer.free(seq_ids)

@@ -80,6 +80,13 @@ class RayDrafterGroup:
                     by_id[r.seq_id] = prop
         return [by_id[r.seq_id] for r in requests]
 
+    def prefill_async(self, requests: list[DraftRequest]) -> None:
+        """Fire and forget: each actor handles its calls in order, so the next propose() sees it."""
+        for i, a in enumerate(self.actors):
+            mine = [r for r in requests if r.seq_id % len(self.actors) == i]
+            if mine:
+                a.prefill.remote(mine)
+
     def free(self, seq_ids) -> None:
         for i, a in enumerate(self.actors):
             mine = [s for s in seq_ids if s % len(self.actors) == i]
@@ -121,6 +128,16 @@ class Drafter:
             return [Proposal([]) for _ in requests]
         finally:
             self.stats.draft_time_s += time.perf_counter() - t0
+
+    def prefill_async(self, requests: list[DraftRequest]) -> None:
+        """Start the drafter's prompt prefill for sequences the target is prefilling in this step:
+        with a drafter actor group it runs concurrently with the target's step. In process there
+        is nothing to overlap with, so the prefill happens lazily at the first proposal."""
+        if isinstance(self.backend, RayDrafterGroup) and requests:
+            try:
+                self.backend.prefill_async(requests)
+            except Exception:  # noqa: BLE001
+                self._drop()
 
     def free(self, seq_ids) -> None:
         if self.backend is not None and seq_ids:

@@ -172,6 +172,11 @@ class LLMEngine:
         if not sched.scheduled:
             return events
         self._attach_drafts(sched.scheduled)
+        if self.drafter is not None:  # drafter prompt prefill overlaps the target's prefill step
+            self.drafter.prefill_async([
+                DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for s in sched.scheduled
+                if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
+            ])
         step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
             step_in.commit_placement, self._commit_version = self._commit_version, None

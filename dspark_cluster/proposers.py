@@ -57,6 +57,9 @@ class NgramProposer:
     def free(self, seq_ids) -> None:
         pass
 
+    def prefill(self, requests: list[DraftRequest]) -> None:
+        pass  # nothing to cache
+
 
 @dataclass
 class _DraftState:
@@ -99,6 +102,23 @@ class DraftModelProposer:
         ids = torch.tensor([t for c in chunks for t in c[1]], device=self.device)
         hidden = self.model(ids, positions.to(self.device), meta.to(self.device, self.model.lm_head.weight.dtype))
         return self.model.compute_logits(hidden[(torch.cumsum(q, 0) - 1).to(self.device)])
+
+    @torch.inference_mode()
+    def prefill(self, requests: list[DraftRequest]) -> None:
+        """Cache the drafter's KV for these sequences ahead of their first proposal (the router
+        runs this while the target prefills the same prompts)."""
+        todo = []
+        for r in requests:
+            st = self.state.setdefault(r.seq_id, _DraftState())
+            if st.fed or not self.blocks.can_allocate(r.seq_id, len(r.token_ids)):
+                continue
+            self.blocks.allocate(r.seq_id, len(r.token_ids))
+            todo.append(r)
+        for i in range(0, len(todo), 16):  # bounded chunks keep the padded attention small
+            part = todo[i : i + 16]
+            self._forward([(r.seq_id, r.token_ids, 0) for r in part])
+            for r in part:
+                self.state[r.seq_id].fed = list(r.token_ids)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
