@@ -54,6 +54,26 @@ def apply_rope(x, cos, sin, interleave=False):
     return x * cos + rotated * sin
 
 
+class ColumnParallelLinear(nn.Linear):
+    """Holds this rank's slice of the output features (and bias). `share` ranks hold the same
+    slice, for KV heads that are fewer than the ranks. The loader reads rows
+    [(tp_rank // share) * out, +out) of the checkpoint tensor."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features, out_features, bias=False, share=1):
+        super().__init__(in_features, out_features, bias=bias)
+        self.share = share
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds this rank's slice of the input features; the caller all-reduces the partial sums.
+    The bias is whole and added on rank 0 only."""
+
+    shard_dim = 1
+    share = 1
+
+
 def _split(n, comm, what):
     if n % comm.tp_size:
         raise ValueError(f"{what}={n} is not divisible by tensor parallel size {comm.tp_size}")
@@ -67,9 +87,9 @@ class MLP(nn.Module):
         super().__init__()
         inter = _split(intermediate, comm, "intermediate_size")
         self.names = names
-        setattr(self, names[0], nn.Linear(hidden, inter, bias=False))
-        setattr(self, names[1], nn.Linear(hidden, inter, bias=False))
-        setattr(self, names[2], nn.Linear(inter, hidden, bias=False))
+        setattr(self, names[0], ColumnParallelLinear(hidden, inter))
+        setattr(self, names[1], ColumnParallelLinear(hidden, inter))
+        setattr(self, names[2], RowParallelLinear(inter, hidden, bias=False))
 
     def forward(self, x):  # partial sum over TP ranks
         g, u, d = (getattr(self, n) for n in self.names)
@@ -88,10 +108,11 @@ class GQAAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.scale = spec.softmax_scale
         H, D = spec.hidden_size, spec.head_dim
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=spec.o_bias)
+        share = max(1, comm.tp_size // spec.num_kv_heads)  # ranks per KV head when heads < ranks
+        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, bias=spec.qkv_bias)
+        self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, bias=spec.qkv_bias, share=share)
+        self.v_proj = ColumnParallelLinear(H, self.num_kv_heads * D, bias=spec.qkv_bias, share=share)
+        self.o_proj = RowParallelLinear(self.num_heads * D, H, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(D, spec.rms_norm_eps)
             self.k_norm = RMSNorm(D, spec.rms_norm_eps)
@@ -131,14 +152,14 @@ class MLAttention(nn.Module):
         if spec.q_lora_rank:
             self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=spec.o_bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
-            self.q_b_proj = nn.Linear(spec.q_lora_rank, self.num_heads * qk, bias=False)
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, self.num_heads * qk)
         else:
-            self.q_proj = nn.Linear(H, self.num_heads * qk, bias=False)
+            self.q_proj = ColumnParallelLinear(H, self.num_heads * qk)
         self.q_lora = bool(spec.q_lora_rank)
         self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope, bias=spec.o_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, spec.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.vdim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.vdim, H, bias=spec.o_bias)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, self.num_heads * (self.nope + self.vdim))
+        self.o_proj = RowParallelLinear(self.num_heads * self.vdim, H, bias=spec.o_bias)
         self.kv_cache = None  # (latent_cache, None)
 
     def cache_shape(self, num_blocks, block_size):

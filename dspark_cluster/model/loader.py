@@ -19,9 +19,6 @@ from .layers import LocalComm
 from .model import DecoderModel
 from .spec import ModelSpec
 
-# Parameters split along dim 0 (output features / vocabulary) and dim 1 (input features).
-_COLUMN = re.compile(r"(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
-_ROW = re.compile(r"(o_proj|down_proj)\.weight$")
 
 
 class CheckpointReader:
@@ -88,6 +85,15 @@ def _hf_names(name: str, spec: ModelSpec, expert_ids):
     return [name]
 
 
+def _shard_dim(model, name: str):
+    """The split dimension of parameter `name`, or None when it is whole on every rank."""
+    owner, _, leaf = name.rpartition(".")
+    dim = getattr(model.get_submodule(owner), "shard_dim", None) if owner else None
+    if dim == 1 and leaf == "bias":
+        return None  # a row-parallel bias is whole
+    return dim
+
+
 def load_weights(model: DecoderModel, reader: CheckpointReader):
     """Fill every parameter and persistent buffer of `model` from the checkpoint."""
     spec, comm = model.spec, model.comm
@@ -104,16 +110,12 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
             parts = [reader.read(s) for s in sources]
             full = torch.cat(parts, 0) if name.endswith(".w13") else torch.stack(parts)
             value = full.view(param.shape) if full.numel() == param.numel() else full
-        elif _COLUMN.search(name) and tp_size > 1:
-            length = param.shape[0]
-            start = tp_rank * length
-            if re.search(r"(k_proj|v_proj)\.", name) and spec.num_kv_heads < tp_size:
-                # fewer KV heads than ranks: each rank holds the one KV head its query heads use
-                start = (tp_rank * spec.num_kv_heads // tp_size) * spec.head_dim
-            value = reader.read(sources[0], 0, start, length)
-        elif _ROW.search(name) and tp_size > 1:
-            length = param.shape[1]
-            value = reader.read(sources[0], 1, tp_rank * length, length)
+        elif tp_size > 1 and _shard_dim(model, name) is not None:
+            # the layer says how it is split: rows (column-parallel) or columns (row-parallel)
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            dim = module.shard_dim
+            length = param.shape[dim]
+            value = reader.read(sources[0], dim, (tp_rank // module.share) * length, length)
         else:
             value = reader.read(sources[0])
         if tuple(value.shape) != tuple(param.shape):

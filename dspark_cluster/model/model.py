@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
-from .layers import MLP, GQAAttention, LocalComm, MLAttention, MoE, RMSNorm
+from .layers import MLP, ColumnParallelLinear, GQAAttention, LocalComm, MLAttention, MoE, RMSNorm
 from .spec import ModelSpec, rope_inv_freq
 
 
@@ -38,6 +38,8 @@ class DecoderLayer(nn.Module):
 
 class VocabEmbedding(nn.Module):
     """Embedding table split along the vocabulary; out-of-shard ids contribute zeros, summed over TP."""
+
+    shard_dim, share = 0, 1
 
     def __init__(self, vocab_size, hidden, comm):
         super().__init__()
@@ -71,7 +73,8 @@ class DecoderModel(nn.Module):
             for i in range(spec.num_layers)
         )
         self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
+        # vocab-parallel LM head: each rank scores its slice of the vocabulary
+        self.lm_head = ColumnParallelLinear(spec.hidden_size, self.model.embed_tokens.weight.shape[0])
         inv_freq, self.rope_scaling = rope_inv_freq(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
