@@ -97,6 +97,8 @@ class ShardWorker:
     def step(self, step_input):
         from dspark_cluster.step import execute_step
 
+        if isinstance(step_input, list):  # one StepInput per data-parallel group
+            step_input = step_input[self.state.dp_rank]
         if step_input.commit_placement is not None and self.migration is not None:
             if step_input.commit_placement == self.migration_version:
                 self.migration.commit(self.dispatchers)

@@ -75,7 +75,7 @@ class AsyncEngine:
             elif kind == "speculation":
                 self.engine.set_speculation(arg)
             elif kind == "abort":
-                removed = self.engine.scheduler.abort(arg)
+                removed = self.engine.abort_request(arg)
                 self._deliver([TokenEvent(s.request_id, [], True, "abort", s) for s in removed])
 
     def _deliver(self, events: list[TokenEvent]) -> None:
@@ -179,7 +179,7 @@ class AsyncEngine:
             "duration_s": time.monotonic() - start,
             "requests": list(self.finished),
             "steps": self.engine.step_stats[first_step:],
-            "kv_blocks_total": self.engine.num_blocks,
+            "kv_blocks_total": self.engine.num_blocks * self.engine.num_groups,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
             "speculative": self.engine.drafter.stats.summary() if self.engine.drafter is not None else None,
             "experts": self.engine.balancer.summary() if self.engine.balancer is not None else None,
@@ -188,11 +188,7 @@ class AsyncEngine:
     def stats(self) -> dict:
         eng = self.engine
         return {
-            "kv_blocks_total": eng.num_blocks,
-            "kv_blocks_used": eng.block_manager.num_used,
-            "running": len(eng.scheduler.running),
-            "waiting": len(eng.scheduler.waiting),
-            "preemptions": eng.scheduler.num_preemptions,
+            **eng.load(),
             "steps": len(eng.step_stats),
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,

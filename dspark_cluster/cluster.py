@@ -122,17 +122,23 @@ class Cluster:
             dag = MultiOutputNode([w.step.bind(step_input) for w in self.workers])
         self._dag = dag.experimental_compile()
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step):
+        """One round to every worker. `step`: a StepInput, or one per data-parallel group (each
+        worker takes its group's). Returns the driver rank's StepOutput (a list, one per group)."""
         outs = self._get(self._dag.execute(step))
-        out = outs[0]  # rank 0 samples; every rank reports the load its expert slots computed
-        if out.slot_load is not None:
-            out.slot_load = torch.stack([o.slot_load for o in outs])  # [world, layers, slots per rank]
-        if out.migration_ready is not None:
-            out.migration_ready = all(bool(o.migration_ready) for o in outs)
-            out.migration_bytes = sum(o.migration_bytes for o in outs)
-        return out
+        tp = self.cfg.parallel.tensor
+        drivers = [outs[g * tp] for g in range(self.cfg.parallel.data)]  # each group's TP rank 0 samples
+        slot = [o.slot_load for o in outs]
+        ready = [o.migration_ready for o in outs]
+        for out in drivers:
+            if slot[0] is not None:
+                out.slot_load = torch.stack(slot)  # [world, layers, slots per rank]
+            if ready[0] is not None:
+                out.migration_ready = all(bool(r) for r in ready)
+                out.migration_bytes = sum(o.migration_bytes for o in outs)
+        return drivers if isinstance(step, list) else drivers[0]
 
-    def debug_logits(self, step: StepInput) -> torch.Tensor:
+    def debug_logits(self, step: StepInput) -> torch.Tensor:  # data = 1
         """Run one step and return rank 0's logits of the sampled rows (parity checks only)."""
         step.return_logits = True
         return self.execute(step).logits

@@ -289,10 +289,6 @@ def check_against_model(cfg: Config) -> list[str]:
         problems.append(
             f"scheduler.max_model_len: got {cfg.scheduler.max_model_len}; the model supports at most {max_pos}"
         )
-    if cfg.parallel.data > 1:
-        # process groups already take data x tensor, but the router does not yet schedule one batch
-        # per data-parallel group; running replicas of the same batch would only waste devices
-        problems.append(f"parallel.data: got {cfg.parallel.data}; data-parallel groups are not supported yet, use data: 1")
     if cfg.parallel.executor == "local" and world > 1:
         problems.append(f"parallel.executor: 'local' runs one device, but tensor x data = {world}; use executor: ray")
     if cfg.parallel.device == "cuda" and cfg.parallel.backend == "gloo" and world > 1:

@@ -90,15 +90,20 @@ class LLMEngine:
         self.block_size = sc.block_size
         self.num_blocks = self.executor.num_blocks
         self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
-        self.block_manager = BlockManager(self.num_blocks, sc.block_size)
+        # one scheduler and KV pool per data-parallel group; each group runs its own batch, and the
+        # groups meet in the expert-parallel all-to-all
+        self.num_groups = cfg.parallel.data
         self.drafter = None
         if cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0:
             from .drafting import Drafter
 
             self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
         lookahead = cfg.speculative.num_tokens if self.drafter is not None else 0
-        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                   lookahead)
+        self.schedulers = [
+            Scheduler(BlockManager(self.num_blocks, sc.block_size), sc.max_num_seqs, sc.max_num_batched_tokens,
+                      self.max_model_len, lookahead)
+            for _ in range(self.num_groups)
+        ]
         self.balancer = None
         if self.spec.is_moe:
             from .balancer import ExpertBalancer
@@ -156,59 +161,86 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise RequestError(f"request_id: {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        # the data-parallel group with the least work takes the request
+        min(self.schedulers, key=lambda g: len(g.running) + len(g.waiting)).add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first data-parallel group's scheduler (the only one when data = 1)."""
+        return self.schedulers[0]
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.schedulers[0].blocks
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        return [s for g in self.schedulers for s in g.abort(request_id)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(g.has_unfinished() for g in self.schedulers)
+
+    def load(self) -> dict:
+        """Totals over the data-parallel groups."""
+        return {
+            "kv_blocks_total": self.num_blocks * self.num_groups,
+            "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),
+            "running": sum(len(g.running) for g in self.schedulers),
+            "waiting": sum(len(g.waiting) for g in self.schedulers),
+            "preemptions": sum(g.num_preemptions for g in self.schedulers),
+        }
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        events = [TokenEvent(s.request_id, [], True, s.finish_reason, s) for s in sched.finished]
-        if not sched.scheduled:
+        scheds = [g.schedule() for g in self.schedulers]
+        events = [TokenEvent(s.request_id, [], True, s.finish_reason, s) for sc in scheds for s in sc.finished]
+        if not any(sc.scheduled for sc in scheds):
             return events
-        self._attach_drafts(sched.scheduled)
+        self._attach_drafts([s for sc in scheds for s in sc.scheduled])
         if self.drafter is not None:  # drafter prompt prefill overlaps the target's prefill step
             self.drafter.prefill_async([
-                DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for s in sched.scheduled
+                DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
                 if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
             ])
-        step_in = build_step_input(sched.scheduled, self.block_manager.block_tables, self.block_size)
+        # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
+        inputs = [build_step_input(sc.scheduled, g.blocks.block_tables, self.block_size)
+                  for sc, g in zip(scheds, self.schedulers)]
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
-            step_in.commit_placement, self._commit_version = self._commit_version, None
-            step_in.placement_update = self.balancer.placement_update()
+            inputs[0].commit_placement, self._commit_version = self._commit_version, None
+            inputs[0].placement_update = self.balancer.placement_update()
+            for extra in inputs[1:]:
+                extra.commit_placement, extra.placement_update = inputs[0].commit_placement, inputs[0].placement_update
         t_verify = time.perf_counter()
-        out = self.executor.execute(step_in)
+        outs = self.executor.execute(inputs if self.num_groups > 1 else inputs[0])
+        outs = outs if isinstance(outs, list) else [outs]
         if self.balancer is not None:
-            self.balancer.observe(out.expert_load)
-            if step_in.commit_placement is not None:
+            self.balancer.observe(sum(o.expert_load for o in outs))
+            if inputs[0].commit_placement is not None:
                 self.balancer.committed(self._migration_bytes)
-            elif out.migration_ready:
-                self._migration_bytes = out.migration_bytes
+            elif outs[0].migration_ready:
+                self._migration_bytes = outs[0].migration_bytes
                 self._commit_version = self.balancer.commit_version(True)
-        rows = [sched.scheduled[r] for r in step_in.sample_rows.tolist()]
-        sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
+        verify_time = time.perf_counter() - t_verify
+        for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
+            rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
+            sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
+            if self.drafter is not None:
+                for s in rows:
+                    if s.proposal is not None:
+                        self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1)
+            for seq, new in g.update(sc.scheduled, sampled):
+                events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
-            self.drafter.stats.verify_time_s += time.perf_counter() - t_verify
-            for s in rows:
-                if s.proposal is not None:
-                    self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1)
-        for seq, new in self.scheduler.update(sched.scheduled, sampled):
-            events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
-        if self.drafter is not None:
+            self.drafter.stats.verify_time_s += verify_time
             self.drafter.free([ev.seq.seq_id for ev in events if ev.finished])
         self.step_stats.append(
             {
                 "time": time.monotonic(),
                 "step_time_s": time.perf_counter() - t0,
-                "num_seqs": len(sched.scheduled),
-                "num_tokens": sched.num_tokens,
-                "kv_blocks_used": self.block_manager.num_used,
-                "num_preempted": len(sched.preempted),
+                "num_seqs": sum(len(sc.scheduled) for sc in scheds),
+                "num_tokens": sum(sc.num_tokens for sc in scheds),
+                "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),
+                "num_preempted": sum(len(sc.preempted) for sc in scheds),
             }
         )
         return events
@@ -231,7 +263,7 @@ class LLMEngine:
                 s.proposal = Proposal(prop.tokens[: s.num_lookahead],
                                       None if prop.probs is None else prop.probs[: s.num_lookahead])
         if not self.drafter.alive:
-            self.scheduler.speculation_enabled = False
+            self.set_speculation(False)
 
     def rebalance_now(self) -> None:
         """Rebalance experts at the next step (world > 1), whatever the interval."""
@@ -240,7 +272,8 @@ class LLMEngine:
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation on or off for every request, at run time."""
-        self.scheduler.speculation_enabled = bool(enabled) and self.drafter is not None and self.drafter.alive
+        for g in self.schedulers:
+            g.speculation_enabled = bool(enabled) and self.drafter is not None and self.drafter.alive
 
     def shutdown(self) -> None:
         if self.drafter is not None:

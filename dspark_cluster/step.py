@@ -73,7 +73,7 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
             pos_out.append(seq.num_output_tokens)
             drafts.append(s.proposal.tokens if s.proposal is not None else [])
             draft_probs.append(s.proposal.probs if s.proposal is not None else None)
-    width = max(len(t) for t in tables)
+    width = max((len(t) for t in tables), default=1)
     bt = torch.zeros(len(tables), width, dtype=torch.long)
     for b, t in enumerate(tables):
         bt[b, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -116,6 +116,8 @@ def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD)."""
+    if step.query_lens.numel() == 0:
+        return _idle_step(model, device)
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
     ids = step.input_ids.to(device)
     hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype))
@@ -144,3 +146,19 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,
                       logits=logits.cpu() if step.return_logits and logits is not None else None)
+
+
+def _idle_step(model, device) -> StepOutput:
+    """A data-parallel group with nothing scheduled: no attention, no sampling, but every MoE
+    layer's expert all-to-all still runs (with no tokens) so the busy groups' collectives match."""
+    H = model.spec.hidden_size
+    dtype = model.lm_head.weight.dtype
+    for moe in model.moe_layers:
+        moe.last_load = torch.zeros(model.spec.num_experts, dtype=torch.long, device=device)
+        if moe.dispatch is not None:
+            x = torch.empty(0, H, dtype=dtype, device=device)
+            moe.dispatch(moe, x, torch.empty(0, model.spec.top_k, dtype=torch.long, device=device),
+                         torch.empty(0, model.spec.top_k, device=device))
+    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
+    return StepOutput(sampled=torch.empty(0, 1, dtype=torch.long), num_tokens=torch.empty(0, dtype=torch.long),
+                      expert_load=model.expert_load().cpu(), slot_load=torch.stack(slot).cpu() if slot else None)

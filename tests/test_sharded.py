@@ -109,8 +109,8 @@ def test_impossible_topologies_are_refused_before_any_actor_starts(checkpoint, r
         ray_llm(path, 3)
     with pytest.raises(ConfigError, match="expert slots"):
         LLM(path, config={"parallel": {"executor": "ray", "tensor": 2}, "eplb": {"num_redundant_experts": 1}})
-    with pytest.raises(ConfigError, match="parallel.data"):
-        LLM(path, config={"parallel": {"executor": "ray", "tensor": 2, "data": 2}})
+    with pytest.raises(ConfigError, match="expert slots"):
+        LLM(path, config={"parallel": {"executor": "ray", "tensor": 1, "data": 3}})
     with pytest.raises(ConfigError, match="no node has 8 CPU"):
         LLM(tmp_path / "h8", config={"parallel": {"executor": "ray", "tensor": 8}})
     with pytest.raises(ConfigError, match="16 workers.*8 CPU devices"):
@@ -150,3 +150,25 @@ def test_tp_groups_stay_on_one_node(checkpoint, ray_cluster):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.parametrize("tensor, data", [(1, 2), (2, 2)])
+def test_data_parallel_groups_share_the_experts(tensor, data, checkpoint, ray_cluster):
+    """Each data-parallel group runs its own batch with its own KV pool; all groups meet in the
+    expert all-to-all, and a group with nothing to do still joins it."""
+    import ray
+
+    path = checkpoint("deepseek_v3")
+    prompts = random_prompts([6, 11, 4, 9, 14, 7, 5], seed=24)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(path, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
+    llm = LLM(path, config={"parallel": {"executor": "ray", "tensor": tensor, "data": data}, "scheduler": {"block_size": 4}})
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == base
+        assert llm.generate(prompts[:1], params)[0].token_ids == base[0]  # the other group idles
+        reports = ray.get(llm.router.worker_reports.remote())
+        held = sorted(e for r in reports for e in r["experts"][0])
+        assert len(reports) == tensor * data and held == list(range(8))
+        assert ray.get(llm.router.stats.remote())["kv_blocks_used"] == 0
+    finally:
+        llm.shutdown()
