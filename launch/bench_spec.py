@@ -58,8 +58,8 @@ def main():
     print(f"\ndecode step, batch 1: target {t_target * 1e3:.2f} ms, drafter {t_draft * 1e3:.2f} ms, c = {c:.3f}\n")
     draft_only.shutdown()
 
-    print("| k | temp | batch | tau | acceptance by position | plain tok/s | spec tok/s | speedup | predicted tau/(kc+1) | same output |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| k | temp | batch | tau | acceptance by position | plain tok/s | spec tok/s | speedup | predicted tau/(kc+1) | draft / verify s | same output |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in (2, 4, 6):
         spec = LLM(args.target, config={**base_cfg, "speculative": {"method": "draft_model", "draft_model": args.draft,
                                                                      "num_tokens": k}})
@@ -83,7 +83,8 @@ def main():
                 acc = " ".join(f"{a:.2f}" for a in st["acceptance_by_position"])
                 print(f"| {k} | {temp:g} | {batch} | {tau:.2f} | {acc} | {n_tok / statistics.median(t_plain):.0f} | "
                       f"{n_tok / statistics.median(t_spec):.0f} | {statistics.median(t_plain) / statistics.median(t_spec):.2f}x | "
-                      f"{tau / (k * c + 1):.2f}x | {same if temp else 'n/a'}{'/' + str(batch) if temp == 0 else ''} |")
+                      f"{tau / (k * c + 1):.2f}x | {st['draft_time_s']:.2f} / {st['verify_time_s']:.2f} | "
+                      f"{f'{same}/{batch}' if temp == 0 else 'n/a'} |")
         spec.shutdown()
 
 
