@@ -26,6 +26,9 @@ class RayMetrics:
         self.running = Gauge("dspark_num_running_seqs", "Sequences in the last step", tag_keys=tags)
         self.step_tokens = Gauge("dspark_step_tokens", "Tokens in the last step", tag_keys=tags)
         self.kv_used = Gauge("dspark_kv_blocks_used", "KV cache blocks in use", tag_keys=tags)
+        self.balancedness = Gauge("dspark_expert_balancedness", "Mean / max tokens per rank over the window",
+                                  tag_keys=("model", "layer"))
+        self.rebalances = Gauge("dspark_expert_rebalances", "Expert placements committed so far", tag_keys=tags)
         self.draft_tokens = Counter("dspark_spec_draft_tokens_total", "Draft tokens proposed", tag_keys=tags)
         self.accepted_tokens = Counter("dspark_spec_accepted_tokens_total", "Draft tokens accepted", tag_keys=tags)
 
@@ -36,6 +39,11 @@ class RayMetrics:
         self.kv_used.set(s["kv_blocks_used"], self.tags)
         if s["num_preempted"]:
             self.preemptions.inc(s["num_preempted"], self.tags)
+
+    def observe_experts(self, balancedness: list, rebalances: int) -> None:
+        for layer, b in enumerate(balancedness):
+            self.balancedness.set(b, {**self.tags, "layer": str(layer)})
+        self.rebalances.set(rebalances, self.tags)
 
     def observe_request(self, seq) -> None:
         m = seq.metrics()

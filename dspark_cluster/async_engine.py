@@ -60,6 +60,8 @@ class AsyncEngine:
                 return
             if eng.step_stats and self.metrics is not None:
                 self.metrics.observe_step(eng.step_stats[-1])
+                if eng.balancer is not None and len(eng.step_stats) % 10 == 0:  # cheap, but not every step
+                    self.metrics.observe_experts(eng.balancer.balancedness().tolist(), len(eng.balancer.events))
             self._deliver(events)
 
     def _drain_commands(self) -> None:

@@ -27,6 +27,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # per-request switch for speculative decoding
+    num_speculative_tokens: Optional[int] = Field(None, ge=0)  # per-request k (capped by the config's)
 
     def __init__(self, **kwargs):
         try:

@@ -142,7 +142,8 @@ class Scheduler:
         if not (self.speculation_enabled and seq.params.speculative):
             return 0
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        return max(0, min(self.lookahead, room, budget_left))
+        k = self.lookahead if seq.params.num_speculative_tokens is None else min(self.lookahead, seq.params.num_speculative_tokens)
+        return max(0, min(k, room, budget_left))
 
     def update(self, scheduled: list[ScheduledSeq], sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
         """Advance sequences after a step. sampled: seq_id -> new tokens (sampling rows only: the

@@ -43,6 +43,17 @@ def test_balancer_window_and_trigger(checkpoint):
     assert torch.equal(b.placement.phy2log, phy2log) and b.events[0]["bytes_moved"] == 123
 
 
+def test_load_file_round_trips(checkpoint, tmp_path):
+    cfg = load_config({"model": {"path": str(checkpoint("deepseek_v3"))}})
+    b = ExpertBalancer(cfg, num_moe_layers=2, num_experts=8, num_ranks=1)
+    load = torch.arange(16).view(2, 8)
+    b.observe(load)
+    b.save_load(tmp_path / "load.pt")
+    saved = ExpertBalancer.load_load(tmp_path / "load.pt")
+    assert torch.equal(saved["window"], load) and torch.equal(saved["total"], load)
+    assert torch.equal(saved["phy2log"], b.placement.phy2log)
+
+
 def test_live_rebalance_changes_no_output_and_loses_no_request(checkpoint, ray_cluster):
     import ray
 

@@ -60,6 +60,9 @@ def test_speculation_switches_off_per_request_and_globally(checkpoint, prompts):
     off = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, speculative=False)
     outs = llm.generate(prompts, off)
     assert all(o.metrics["num_draft_tokens"] == 0 for o in outs)
+    k1 = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, num_speculative_tokens=1))
+    assert [o.token_ids for o in k1] == [o.token_ids for o in outs]
+    assert all(o.metrics["num_draft_tokens"] <= 11 for o in k1) and sum(o.metrics["num_draft_tokens"] for o in k1) > 0
     llm.engine.set_speculation(False)
     outs2 = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert all(o.metrics["num_draft_tokens"] == 0 for o in outs2)
