@@ -16,7 +16,7 @@ import torch
 from .config import Config
 from .errors import CheckpointError, ConfigError, DSparkError
 from .model.spec import ModelSpec
-from .step import StepInput, StepOutput
+from .step import StepInput
 
 
 def ensure_ray(num_workers: int = 1):

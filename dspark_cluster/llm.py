@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
-from .config import Config, load_config
+from .config import load_config
 from .engine import LLMEngine, load_tokenizer
 from .errors import RequestError
 from .sampling import SamplingParams

@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dspark_cluster import CheckpointError, LLM, SamplingParams

@@ -1,6 +1,5 @@
 """Live expert rebalancing: telemetry, migration while serving, identical outputs, no lost request."""
 
-import asyncio
 
 import torch
 

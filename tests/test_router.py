@@ -2,7 +2,6 @@
 streaming, and the `dspark run` job."""
 
 import asyncio
-import os
 import random
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """Speculative decoding is lossless: greedy outputs are identical, sampled outputs keep the
 target's law, and a failing drafter only costs speed."""
 
-import threading
 import time
 
 import pytest
@@ -10,7 +9,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from dspark_cluster import LLM, SamplingParams
 
-from conftest import build_checkpoint, random_prompts
+from conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
