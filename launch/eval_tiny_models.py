@@ -146,7 +146,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    cmd = "python launch/eval_tiny_models.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = " ".join(["python launch/eval_tiny_models.py"] + list(sys.argv[1:] if argv is None else argv))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,7 +162,7 @@ def main(argv=None):
     _, held = T.load_corpus()
     if args.max_docs:
         held = held[: args.max_docs]
-    held_ids = [[eos] + tok(text, add_special_tokens=False).input_ids for _, text in held]
+    held_ids = [[eos] + tok(text, add_special_tokens=False, verbose=False).input_ids for _, text in held]
     n_bytes = [len(text.encode("utf-8")) for _, text in held]
     tables = [is_table_module(text, T.module_name(rel)) for rel, text in held]
 
@@ -266,6 +266,10 @@ def main(argv=None):
         res["expert_load"][layer] = load[layer].tolist()
         L.append(fmt_row([layer] + [f"{int(x):,}" for x in load[layer]] +
                          [f"{c.max().item() / mean:.2f}", f"{c.min().item() / mean:.2f}"]))
+    sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in (tdir, ddir)}
+    L.append("")
+    L.append(f"Checkpoint folders (fp32 safetensors + tokenizer + card): tiny-moe {sizes['tiny-moe'] / 2**20:.2f} MiB, "
+             f"tiny-draft {sizes['tiny-draft'] / 2**20:.2f} MiB, {sum(sizes.values()) / 2**20:.2f} MiB together (budget 25 MiB).")
     report = "\n".join(L)
     print("\n" + report + "\n")
 

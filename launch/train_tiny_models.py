@@ -31,7 +31,7 @@ software stack) and on a loaded one the cap ends the run on time with a
 completed schedule (then not bit-reproducible). Set ``--*-minutes 0`` for
 steps only or ``--*-steps 0`` for time only.
 
-    python launch/train_tiny_models.py            # <= ~50 min on 2 CPU cores
+    python launch/train_tiny_models.py            # <= ~55 min on 2 CPU cores
     python launch/train_tiny_models.py --smoke    # a 1-minute plumbing check
 
 The held-out evaluation reported here (and by ``launch/eval_tiny_models.py``)
@@ -483,6 +483,7 @@ def train_model(
     max_steps = steps if steps > 0 else None
     hist, run_loss, run_n = [], 0.0, 0
     t0 = time.time()
+    c0 = time.process_time()
     step = 0
     tokens_seen = 0
 
@@ -552,6 +553,7 @@ def train_model(
             rec = {
                 "step": step,
                 "time_s": round(time.time() - t0, 1),
+                "cpu_s": round(time.process_time() - c0, 1),
                 "lr": cur_lr,
                 "train_loss": run_loss / run_n,
                 "val_loss": vl,
@@ -579,6 +581,8 @@ def save_tokenizer(hf_tok, out_dir: pathlib.Path):
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only", "name_or_path"):  # loading artefacts (--only draft)
+        cfg.pop(key, None)
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -657,6 +661,16 @@ def write_card(out_dir, *, kind, cfg, model, hist, info, args, heldout_mods, bpb
     bs = args.target_batch if is_target else args.draft_batch
     lr = args.target_lr if is_target else args.draft_lr
     train_s = hist[-1]["time_s"]
+    req_steps = args.target_steps if is_target else args.draft_steps
+    cap_min = args.target_minutes if is_target else args.draft_minutes
+    if req_steps > 0 and steps >= req_steps:
+        stop_reason = f"the step count; wall-time cap {cap_min:g} min" if cap_min > 0 else "the step count"
+    else:
+        stop_reason = (f"stopped by the {cap_min:g}-min wall-time cap before the requested {req_steps} steps"
+                       if req_steps > 0 else f"{cap_min:g}-min wall-time budget")
+    cpu_note = ""
+    if "cpu_s" in hist[-1]:
+        cpu_note = f" (process CPU time {hist[-1]['cpu_s'] / 60:.1f} min)"
     png = "\n![loss curve](loss_curve.png)\n" if has_png else ""
     extra = ""
     if is_target:
@@ -703,10 +717,10 @@ code and nothing else. It is a test and benchmark fixture, not a useful assistan
 
 - Command: `{info['command']}`
 - Plain PyTorch loop, fp32, seed {args.seed}, {torch.get_num_threads()} CPU threads: AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak LR {lr}, linear warmup over {args.warmup:.0%} of the run then cosine decay to 10%, gradient clipping 1.0, batch {bs} x {args.seq_len} tokens, then {bs * args.seq_len // max(1, args.long_seq_len or args.seq_len)} x {args.long_seq_len or args.seq_len} for the last {args.long_frac:.0%} of steps (random windows from the concatenated training stream, documents separated by `<|endoftext|>`).
-{extra}- Steps: {steps}, tokens seen: {tokens:,} ({tokens / info['train_tokens']:.2f} epochs), training wall time {train_s / 60:.1f} min on {info['machine']}.
+{extra}- Steps: {steps} ({stop_reason}), tokens seen: {tokens:,} ({tokens / info['train_tokens']:.2f} epochs), training wall time {train_s / 60:.1f} min{cpu_note} on {info['machine']}.
 - Held-out loss at the end of training (whole held-out set, sliding {args.eval_ctx}-token windows, stride {args.eval_ctx // 2}): **{bpb['nll_per_token']:.4f} nats/token, {bpb['bpb']:.4f} bits per byte**.
 
-Loss curve (train loss = mean over the steps since the previous row; held-out loss on a fixed sample of {info['n_val_windows']} held-out windows):
+Loss curve (train loss = {'mean' if is_target or args.distill <= 0 else 'the cross-entropy part, mean'} over the steps since the previous row; held-out loss on a fixed sample of {info['n_val_windows']} held-out windows):
 
 {curve_table(hist)}
 {png}
@@ -746,10 +760,11 @@ def parse_args(argv=None):
     ap.add_argument("--target-batch", type=int, default=16)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--draft-steps", type=int, default=1500, help="0: no step limit, wall time only")
-    ap.add_argument("--draft-minutes", type=float, default=7.0, help="wall-time cap (0: none), as --target-minutes")
+    ap.add_argument("--draft-minutes", type=float, default=12.0, help="wall-time cap (0: none), as --target-minutes")
     ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
-    ap.add_argument("--distill", type=float, default=0.0, help="weight of KL(target||drafter) in the drafter loss")
+    ap.add_argument("--distill", type=float, default=0.7,
+                    help="weight of KL(target || drafter) against the target's logits in the drafter loss (0: plain LM)")
     ap.add_argument("--warmup", type=float, default=0.03, help="warmup fraction of the run")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--bias-update-speed", type=float, default=1e-3, help="aux-loss-free router balancing speed")
@@ -826,7 +841,7 @@ def main(argv=None):
         "train_tokens": len(stream_ids),
         "n_val_windows": args.val_windows,
         "machine": machine_string(args.threads),
-        "command": "python launch/train_tiny_models.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python launch/train_tiny_models.py"] + list(sys.argv[1:] if argv is None else argv)),
     }
     log(f"train stream {len(stream_ids):,} tokens; held-out {sum(len(i) - 1 for i in held_ids):,} tokens")
 
@@ -861,7 +876,7 @@ def main(argv=None):
         has_png = plot_curve(hist, tdir / "loss_curve.png", "tiny-moe")
         write_card(tdir, kind="target", cfg=target.config, model=target, hist=hist, info=info, args=args,
                    heldout_mods=heldout_mods, bpb=results["target"], has_png=has_png)
-        (pathlib.Path("/tmp") / f"tiny_target_hist_{os.getpid()}.json").write_text(json.dumps(hist))
+        (pathlib.Path("/tmp") / "tiny_target_hist.json").write_text(json.dumps(hist))
 
     if args.only in ("all", "draft"):
         teacher = None
@@ -879,6 +894,7 @@ def main(argv=None):
             long_seq_len=args.long_seq_len, long_frac=args.long_frac,
             seed=args.seed + 2, eval_every=args.eval_every, teacher=teacher, distill_weight=args.distill, log=log,
         )
+        (pathlib.Path("/tmp") / "tiny_draft_hist.json").write_text(json.dumps(hist))
         results["draft"] = final_eval(draft, "drafter")
         draft.save_pretrained(ddir)
         save_tokenizer(hf_tok, ddir)
