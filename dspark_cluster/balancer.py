@@ -30,7 +30,7 @@ class ExpertBalancer:
         self.placement: ExpertPlacement = default_placement(num_moe_layers, num_experts, num_ranks, e.num_redundant_experts)
         self.window: deque = deque(maxlen=self.window_steps)
         self.total = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
-        self.rank_history: list[list[float]] = []  # per step: tokens per rank (all layers)
+        self.rank_history: list[list[list[float]]] = []  # per step: [layer][rank] tokens, under the placement of that step
         self.steps = 0
         self.version = 0
         self.pending: Optional[dict] = None  # a staged placement: version, phy2log, started, state
@@ -44,7 +44,7 @@ class ExpertBalancer:
         self.steps += 1
         self.window.append(expert_load)
         self.total += expert_load
-        self.rank_history.append(eplb.rank_load(expert_load.float(), self.placement.phy2log, self.num_ranks).sum(0).tolist())
+        self.rank_history.append(eplb.rank_load(expert_load.float(), self.placement.phy2log, self.num_ranks).tolist())
 
     def window_load(self) -> torch.Tensor:
         return torch.stack(list(self.window)).sum(0) if self.window else self.total.clone()
@@ -53,6 +53,11 @@ class ExpertBalancer:
         """[L] mean / max tokens per rank over the window (1.0 = perfectly even)."""
         load = self.window_load() if load is None else load
         return eplb.balancedness(load.float(), self.placement.phy2log if phy2log is None else phy2log, self.num_ranks)
+
+    def served_balancedness(self, start: int = 0, end: int = None) -> list[float]:
+        """[L] mean / max of the tokens each rank actually computed over steps [start, end), each
+        step under the placement it ran with: the before / after measure of a study."""
+        return served_balancedness(self.rank_history, start, end)
 
     def imbalance(self) -> torch.Tensor:
         return eplb.imbalance(self.window_load().float(), self.placement.phy2log, self.num_ranks)
@@ -115,3 +120,12 @@ class ExpertBalancer:
                 "imbalance_per_layer": self.imbalance().tolist(), "rebalances": self.events,
                 "phy2log": self.placement.phy2log.tolist(), "expert_load_total": self.total.tolist(),
                 "rank_history": self.rank_history}
+
+
+def served_balancedness(rank_history, start: int = 0, end=None) -> list[float]:
+    """rank_history: per step [layer][rank] tokens -> [L] mean / max over ranks of the summed loads."""
+    steps = rank_history[start:end]
+    if not steps:
+        return []
+    total = torch.tensor(steps).sum(0)  # [L, R]
+    return (total.mean(1) / total.max(1).values.clamp(min=1e-9)).tolist()

@@ -268,9 +268,9 @@ def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     history = experts.get("rank_history") or []
-    if history and len(history[0]) > 1:
+    if history and len(history[0][0]) > 1:
         fig, ax = plt.subplots(figsize=(9, 3))
-        h = np.asarray(history, dtype=float).T  # [ranks, steps]
+        h = np.asarray(history, dtype=float).sum(axis=1).T  # [ranks, steps], all layers
         h = h / np.maximum(h.mean(axis=0, keepdims=True), 1e-9)  # share of the step's mean: 1 = even
         im = ax.imshow(h, aspect="auto", cmap="coolwarm", interpolation="nearest", vmin=0, vmax=2)
         for e in experts.get("rebalances", []):

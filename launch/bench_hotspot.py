@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from dspark_cluster import load_config  # noqa: E402
+from dspark_cluster.balancer import served_balancedness  # noqa: E402
 from dspark_cluster.runner import run_experiment  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +53,11 @@ def run(config, overrides, eplb_on: bool):
     rep = run_experiment(cfg, progress=False)
     steps = [s["step_time_s"] for s in rep["steps"] if s["num_tokens"] <= cfg.scheduler.max_num_seqs]  # decode steps
     ex = rep["experts"]
+    # before: steps up to the first commit (all steps with EPLB off); after: the steps after it
+    first = ex["rebalances"][0]["committed_at_step"] if ex["rebalances"] else len(ex["rank_history"])
     return {"tok_s": rep["summary"]["output_tokens_per_s"], "p50": np.percentile(steps, 50) * 1e3,
-            "p99": np.percentile(steps, 99) * 1e3, "bal": ex["balancedness_per_layer"], "events": ex["rebalances"],
-            "out": rep["out_dir"]}
+            "p99": np.percentile(steps, 99) * 1e3, "before": served_balancedness(ex["rank_history"], 0, first),
+            "after": served_balancedness(ex["rank_history"], first), "events": ex["rebalances"], "out": rep["out_dir"]}
 
 
 def main():
@@ -69,15 +72,19 @@ def main():
         studies.append((os.path.join(REPO, "configs/hotspot-natural-tp4.yaml"),
                         args.overrides + [f"model.path={skewed_checkpoint()}", "workload.kind=synthetic",
                                           "workload.prompt_len=[16,128]"]))
-    print("| study | EPLB | balancedness per layer (last window) | mean | tokens/s | decode step p50 / p99 (ms) | rebalances: duration (ms), bytes moved |")
-    print("|---|---|---|---|---|---|---|")
+    print("| study | EPLB | balancedness per layer, before first rebalance | after it | mean before -> after | tokens/s | "
+          "decode step p50 / p99 (ms) | rebalances: duration (ms), bytes moved |")
+    print("|---|---|---|---|---|---|---|---|")
     for config, overrides in studies:
         name = os.path.basename(config) + (" (skewed random model)" if any("model.path" in o for o in overrides) else "")
         for on in (False, True):
             r = run(config, overrides, on)
             ev = "; ".join(f"{e['duration_s'] * 1e3:.0f} ms, {e['bytes_moved'] / 1e6:.2f} MB" for e in r["events"]) or "-"
-            print(f"| {name} | {'on' if on else 'off'} | {' '.join(f'{b:.2f}' for b in r['bal'])} | {np.mean(r['bal']):.3f} | "
-                  f"{r['tok_s']:.0f} | {r['p50']:.1f} / {r['p99']:.1f} | {ev} |", flush=True)
+            fmt = lambda v: " ".join(f"{b:.2f}" for b in v) or "-"  # noqa: E731
+            after = f"{np.mean(r['after']):.3f}" if r["after"] else "-"
+            print(f"| {name} | {'on' if on else 'off'} | {fmt(r['before'])} | {fmt(r['after'])} | "
+                  f"{np.mean(r['before']):.3f} -> {after} | {r['tok_s']:.0f} | {r['p50']:.1f} / {r['p99']:.1f} | {ev} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
