@@ -252,6 +252,140 @@ def bench_overhead(path, repeats, new_tokens, prompt_len):
     return out
 
 
+def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspark-bench/overhead"):
+    """Both executors behind the same AsyncEngine (runner.run_experiment, one request): the
+    engine's own step timer (`step_time_s`: schedule + execute + update; for ray the execute is the
+    compiled-graph round trip) against the period between steps, decode steps only."""
+    from dspark_cluster import load_config
+    from dspark_cluster.runner import run_experiment
+
+    rows = {"local": [], "ray": []}
+    for i in range(repeats):
+        for ex in (("local", "ray") if i % 2 == 0 else ("ray", "local")):
+            cfg = load_config(None, [f"model.path={path}", "model.dtype=float32", f"parallel.executor={ex}",
+                                     "parallel.threads_per_worker=1", "workload.kind=synthetic", "workload.num_requests=1",
+                                     f"workload.prompt_len=[{prompt_len},{prompt_len}]",
+                                     f"workload.output_len=[{new_tokens},{new_tokens}]", f"report.out_dir={out_dir}",
+                                     f"report.name={ex}-{i}"])
+            rep = run_experiment(cfg, progress=False)
+            steps = [s for s in rep["steps"] if s["num_tokens"] == 1]
+            period = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:]))
+            rows[ex].append(dict(step_ms=statistics.median(s["step_time_s"] for s in steps) * 1e3, period_ms=period * 1e3,
+                                 tpot_ms=rep["summary"]["tpot_p50_s"] * 1e3))
+            if ex == "ray":
+                time.sleep(1.0)
+    out = {ex: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for ex, rs in rows.items()}
+    print(f"overhead breakdown (AsyncEngine both): {out}", flush=True)
+    return out
+
+
+def serialization_cost(path) -> dict:
+    """Pickle round trip of a batch-1 decode StepInput and its StepOutput, as torch tensors (what the
+    compiled graph's channels pickle today) and as numpy arrays."""
+    import dataclasses
+    import pickle
+
+    from dspark_cluster.kv_cache import BlockManager
+    from dspark_cluster.scheduler import Scheduler
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.step import build_step_input
+
+    bm = BlockManager(64, 16)
+    sc = Scheduler(bm, 4, 2048, 4096)
+    sc.add(Sequence("a", list(range(3, 131)), 128, SamplingParams(max_tokens=4, temperature=0)))
+    seq = sc.schedule().scheduled[0].seq
+    seq.num_computed_tokens = 128
+    seq.token_ids.append(5)
+    step = build_step_input(sc.schedule().scheduled, bm.block_tables, 16)
+
+    def rt(obj, n=200):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = pickle.dumps(obj, protocol=5)
+        t1 = time.perf_counter()
+        for _ in range(n):
+            pickle.loads(b)
+        return (t1 - t0) / n * 1e6, (time.perf_counter() - t1) / n * 1e6, len(b)
+
+    fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+    as_np = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in fields.values())
+    spec = load_spec(path, "float32")
+    from dspark_cluster.step import StepOutput
+
+    try:
+        out = StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]),
+                         expert_load=torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long))
+    except TypeError:
+        out = StepOutput(sampled=torch.tensor([5]), expert_load=torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long))
+    res = {"step_input_tensors": n_tensors, "step_input_torch_us": rt(step), "step_input_numpy_us": rt(as_np),
+           "step_output_torch_us": rt(out)}
+    print(f"serialization: {res}", flush=True)
+    return res
+
+
+class _Echo:
+    """A do-nothing shard worker: returns a fixed reply, for the compiled graph's own round trip."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def step(self, step_input):
+        return self.reply
+
+
+def compiled_graph_roundtrip(path, n=300) -> dict:
+    """Round trip of a Ray compiled graph over one do-nothing actor (as Cluster builds it), with the
+    payloads a batch-1 decode step carries: StepInput / StepOutput of torch tensors (as today), the
+    same fields as numpy arrays, and a bare int."""
+    import dataclasses
+
+    import ray
+    from ray.dag import InputNode, MultiOutputNode
+
+    from dspark_cluster.kv_cache import BlockManager
+    from dspark_cluster.scheduler import Scheduler
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.step import StepOutput, build_step_input
+
+    bm = BlockManager(64, 16)
+    sc = Scheduler(bm, 4, 2048, 4096)
+    sc.add(Sequence("a", list(range(3, 131)), 128, SamplingParams(max_tokens=4, temperature=0)))
+    seq = sc.schedule().scheduled[0].seq
+    seq.num_computed_tokens = 128
+    seq.token_ids.append(5)
+    step = build_step_input(sc.schedule().scheduled, bm.block_tables, 16)
+    spec = load_spec(path, "float32")
+    load = torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long)
+    try:
+        reply = StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]), expert_load=load)
+    except TypeError:
+        reply = StepOutput(sampled=torch.tensor([5]), expert_load=load)
+    as_np = lambda obj: {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)  # noqa: E731
+                                  else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    cases = {"torch StepInput -> torch StepOutput": (step, reply), "numpy fields -> numpy fields": (as_np(step), as_np(reply)),
+             "int -> int": (1, 1)}
+    out = {}
+    for name, (payload, rep) in cases.items():
+        actor = ray.remote(_Echo).options(num_cpus=1).remote(rep)
+        with InputNode() as inp:
+            dag = MultiOutputNode([actor.step.bind(inp)])
+        cdag = dag.experimental_compile()
+        try:
+            for _ in range(20):
+                ray.get(cdag.execute(payload))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                ray.get(cdag.execute(payload))
+            out[name] = (time.perf_counter() - t0) / n * 1e3
+        finally:
+            cdag.teardown()
+            ray.kill(actor)
+        time.sleep(0.5)
+    print(f"compiled graph round trip (ms): {out}", flush=True)
+    return out
+
+
 # ---- (c) TP scaling on a compute-heavy checkpoint ---------------------------------------------
 def build_big_checkpoint(path: Path, hidden: int, layers: int, vocab: int, experts: int, moe_inter: int) -> Path:
     if (path / "config.json").is_file():
@@ -316,6 +450,104 @@ def bench_scaling(path, cycles, repeats, n_prompts, prompt_len):
     return out
 
 
+def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
+    """One process of the Ray-free diagnostic: the same shard, collectives and execute_step as a
+    ShardWorker, driven by a plain loop (no Router, no compiled graph)."""
+    torch.set_num_threads(1)
+    from dspark_cluster.kv_cache import BlockManager, allocate_kv_cache
+    from dspark_cluster.model.loader import load_model
+    from dspark_cluster.placement import default_placement
+    from dspark_cluster.sampling import SamplingParams as SP
+    from dspark_cluster.scheduler import Scheduler
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.step import build_step_input, execute_step
+    from parallel.comm import TensorParallelComm
+    from parallel.expert_parallel import ExpertParallelDispatch
+    from parallel.state import init_parallel, shutdown_parallel
+
+    import torch.distributed as dist
+
+    comm_time = {"all_reduce": 0.0, "all_gather": 0.0, "all_to_all_single": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                comm_time[name] += time.perf_counter() - t0
+        return wrapper
+
+    for name in comm_time:  # time spent inside each collective (waiting for the peer included)
+        setattr(dist, name, timed(name, getattr(dist, name)))
+    state = init_parallel(rank, world, world, "127.0.0.1", port, "gloo", torch.device("cpu"))
+    spec = load_spec(path, "float32")
+    num_moe = sum(spec.moe_layers)
+    expert_ids, placement = None, None
+    if world > 1:
+        placement = default_placement(num_moe, spec.num_experts, world, 0)
+        expert_ids = [placement.rank_experts(layer, rank) for layer in range(num_moe)]
+    model = load_model(path, spec, TensorParallelComm(state), expert_ids, device=torch.device("cpu"))
+    if world > 1:
+        for layer, moe in enumerate(model.moe_layers):
+            moe.dispatch = ExpertParallelDispatch(state, placement, layer)
+    block = 16
+    blocks = n_prompts * (-(-(prompt_len + 1) // block)) + 4
+    allocate_kv_cache(model, blocks, block, torch.device("cpu"))
+    prompts = random_prompts([prompt_len] * n_prompts, spec.vocab_size, seed=2)
+    times, comms = [], []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        bm = BlockManager(blocks, block)
+        sched = Scheduler(bm, n_prompts, n_prompts * prompt_len, 4 * prompt_len)
+        for i, p in enumerate(prompts):
+            sched.add(Sequence(f"r{i}", list(p), len(p), SP(max_tokens=1, temperature=0)))
+        out = sched.schedule()
+        step = build_step_input(out.scheduled, bm.block_tables, block)
+        dist.barrier()
+        c0 = dict(comm_time)
+        t0 = time.perf_counter()
+        execute_step(model, step, torch.device("cpu"), sample_tokens=rank == 0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        comms.append({k: comm_time[k] - c0[k] for k in comm_time})
+    q.put((rank, times[1:], comms[1:], os.times().user + os.times().system))
+    shutdown_parallel()
+
+
+def bench_scaling_noray(path, repeats, n_prompts, prompt_len, rounds=2):
+    """Prefill step time of the same sharded forward at tensor 1 and 2 in plain processes."""
+    import torch.multiprocessing as mp
+
+    from parallel.state import free_port
+
+    ctx = mp.get_context("spawn")
+    times = {1: [], 2: []}
+    comm = {1: [], 2: []}
+    for r in range(rounds):
+        for world in ((1, 2) if r % 2 == 0 else (2, 1)):
+            q = ctx.Queue()
+            port = free_port()
+            procs = [ctx.Process(target=_spmd_worker, args=(rank, world, port, path, n_prompts, prompt_len, repeats, q))
+                     for rank in range(world)]
+            for p in procs:
+                p.start()
+            got = sorted(q.get(timeout=600) for _ in range(world))
+            times[world] += got[0][1]
+            comm[world] += [{k: v for k, v in c.items()} | {"rank": rank} for rank, _, cs, _ in got for c in cs]
+            for p in procs:
+                p.join(timeout=60)
+            print(f"no-Ray round {r} tensor {world}: {[f'{t:.3f}' for t in times[world][-repeats:]]} s", flush=True)
+    ntok = n_prompts * prompt_len
+    t1, t2 = statistics.median(times[1]), statistics.median(times[2])
+    in_comm = {rank: {k: statistics.median(c[k] for c in comm[2] if c["rank"] == rank)
+                      for k in ("all_reduce", "all_gather", "all_to_all_single")} for rank in (0, 1)}
+    for rank, c in in_comm.items():
+        print(f"no-Ray tensor 2 rank {rank}: seconds inside collectives per prefill " +
+              ", ".join(f"{k} {v:.3f}" for k, v in c.items()), flush=True)
+    return dict(tp1_s=t1, tp2_s=t2, tp1_tok_s=ntok / t1, tp2_tok_s=ntok / t2, speedup=t1 / t2, raw=times,
+                tp2_seconds_in_collectives=in_comm)
+
+
 def fmt_b(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -347,6 +579,21 @@ def print_tables(res):
               f"same tokens: {o['identical_outputs']}")
         for name, c in o["cores_busy"].items():
             print(f"cores busy during the {name} generation: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
+        if "breakdown" in o:
+            print("Both executors behind the same AsyncEngine (run_experiment, 1 request), decode steps, medians:")
+            print("| executor | engine step_time_s (ms) | period between steps (ms) | TPOT (ms) |")
+            print("|---|---|---|---|")
+            for ex, b in o["breakdown"].items():
+                print(f"| {ex} | {b['step_ms']:.2f} | {b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
+        if "serialization" in o:
+            z = o["serialization"]
+            print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} torch tensors) "
+                  f"{z['step_input_torch_us'][0]:.0f} + {z['step_input_torch_us'][1]:.0f} us / {z['step_input_torch_us'][2]} B; "
+                  f"same fields as numpy {z['step_input_numpy_us'][0]:.0f} + {z['step_input_numpy_us'][1]:.0f} us / {z['step_input_numpy_us'][2]} B; "
+                  f"StepOutput {z['step_output_torch_us'][0]:.0f} + {z['step_output_torch_us'][1]:.0f} us / {z['step_output_torch_us'][2]} B")
+        if "roundtrip_ms" in o:
+            print("compiled graph round trip over a do-nothing actor (ms): " +
+                  "; ".join(f"{k} {v:.2f}" for k, v in o["roundtrip_ms"].items()))
     if "scaling" in res:
         s = res["scaling"]
         print(f"\nTP scaling, prefill {s['prompt_tokens']} prompt tokens, model {s['model']}")
@@ -364,7 +611,8 @@ def print_tables(res):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
-    ap.add_argument("--parts", default="comm,overhead,scaling")
+    ap.add_argument("--parts", default="comm,overhead,scaling,noray",
+                    help="noray: the scaling prefill as plain processes (torch.distributed, no Router / compiled graph)")
     ap.add_argument("--tensors", default="2,4")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -387,7 +635,7 @@ def main():
     import ray
 
     t_start = time.perf_counter()
-    ray.init(num_cpus=8, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, log_to_driver=False)  # a fresh local instance, even beside another
     res = {"machine": machine(), "loadavg_start": loadavg(), "args": vars(args)}
     try:
         if "comm" in parts:
@@ -395,16 +643,31 @@ def main():
                                      [int(x) for x in args.batches.split(",")], args.comm_prompt_len, args.decode_steps)
         if "overhead" in parts:
             res["overhead"] = bench_overhead(args.model, args.overhead_repeats, args.new_tokens, args.prompt_len)
+            res["overhead"]["breakdown"] = overhead_breakdown(args.model, 3, args.new_tokens, args.prompt_len)
+            res["overhead"]["serialization"] = serialization_cost(args.model)
+            res["overhead"]["roundtrip_ms"] = compiled_graph_roundtrip(args.model)
         if "scaling" in parts:
             big = build_big_checkpoint(Path(args.big_model), args.big_hidden, args.big_layers, args.big_vocab, 8,
                                        args.big_moe_inter)
             res["scaling"] = bench_scaling(str(big), args.scaling_cycles, args.scaling_repeats, args.scaling_prompts,
                                            args.scaling_prompt_len)
+        if "noray" in parts:
+            big = build_big_checkpoint(Path(args.big_model), args.big_hidden, args.big_layers, args.big_vocab, 8,
+                                       args.big_moe_inter)
+            res["noray"] = bench_scaling_noray(str(big), args.scaling_repeats, args.scaling_prompts, args.scaling_prompt_len)
     finally:
         ray.shutdown()
     res["loadavg_end"] = loadavg()
     res["total_s"] = time.perf_counter() - t_start
     print_tables(res)
+    if "noray" in res:
+        n = res["noray"]
+        print(f"\nSame prefill step without Ray (plain processes, gloo, execute_step timed between barriers): "
+              f"tensor 1 {n['tp1_s']:.3f} s ({n['tp1_tok_s']:.0f} tok/s), tensor 2 {n['tp2_s']:.3f} s ({n['tp2_tok_s']:.0f} tok/s), "
+              f"speedup {n['speedup']:.2f}x")
+        for rank, c in n["tp2_seconds_in_collectives"].items():
+            print(f"  tensor 2, rank {rank}: s inside collectives per prefill (waiting included): " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in c.items()))
     print(f"\ntotal time {res['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -75,13 +75,26 @@ def machine() -> str:
     return f"nproc={os.cpu_count()}, CPU: {model}, Python {platform.python_version()}"
 
 
+def cpu_now() -> tuple[float, float, float]:
+    """(wall, CPU seconds of the whole machine, CPU seconds of this process) so far."""
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    t = os.times()
+    return time.perf_counter(), (sum(cpu) - cpu[3] - cpu[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def others_cores(start) -> float:
+    """Average cores other processes kept busy since `start` (the CPU was shared when this is > ~0.1)."""
+    w, m, own = cpu_now()
+    return ((m - start[1]) - (own - start[2])) / (w - start[0])
+
+
 def profile(llm, hf, batch: int, vocab: int, new_tokens: int, top: int = 20):
     """Where a decode step's time goes, both sides. torch.profiler by operator: (a generation of
     `new_tokens`) - (a generation of 2 tokens), divided by the `new_tokens - 2` steps between, so
     the numbers are per pure decode step: the prefill, and the one step where the batch-16 prefill's
     last chunk runs beside the first decodes, are taken out. cProfile by Python function (cumulative, whole run)."""
     import cProfile
-    import io
     import pstats
 
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -107,14 +120,26 @@ def profile(llm, hf, batch: int, vocab: int, new_tokens: int, top: int = 20):
         print("|---|---|---|---|")
         for k, (c, t) in sorted(diff.items(), key=lambda kv: kv[1][1], reverse=True)[:top]:
             print(f"| {k} | {c / steps:.1f} | {t / steps:.0f} | {t / total:.1%} |")
-        pr = cProfile.Profile()
-        pr.enable()
-        fn(new_tokens)
-        pr.disable()
-        buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(35)
-        print(f"\n### cProfile, {name}, batch {batch}, {new_tokens} tokens (prefill included)")
-        print("\n".join(l for l in buf.getvalue().splitlines() if l.strip()))
+        stats = {}
+        for n in (2, new_tokens):
+            pr = cProfile.Profile()
+            pr.enable()
+            fn(n)
+            pr.disable()
+            stats[n] = pstats.Stats(pr).stats  # {(file, line, func): (cc, ncalls, tottime, cumtime, callers)}
+        rows = []
+        for key, (_, nc, tt, ct, _) in stats[new_tokens].items():
+            _, nc0, tt0, ct0, _ = stats[2].get(key, (0, 0, 0.0, 0.0, None))
+            rows.append((ct - ct0, tt - tt0, nc - nc0, key))
+        rows.sort(reverse=True)
+        print(f"\n### cProfile, {name}, batch {batch}: per decode step (generations of {new_tokens} - 2 tokens)")
+        print("| function | calls/step | cumulative us/step | own us/step |")
+        print("|---|---|---|---|")
+        for ct, tt, nc, (file, line, func) in rows[:top + 10]:
+            where = f"{os.path.relpath(file, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}:{line}" if file != "~" else ""
+            if where.startswith(".."):
+                where = "/".join(file.split("/")[-2:]) + f":{line}"
+            print(f"| {where}({func}) | {nc / steps:.1f} | {ct / steps * 1e6:.0f} | {tt / steps * 1e6:.0f} |")
 
 
 def main():
@@ -128,6 +153,7 @@ def main():
     ap.add_argument("--profile-tokens", type=int, default=64)
     args = ap.parse_args()
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    cpu_start = cpu_now()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +179,8 @@ def main():
                             hf_decode_tok_s=hf_dec, decode_ratio=ours_dec / hf_dec, ours_e2e_tok_s=ours_e2e,
                             hf_e2e_tok_s=hf_e2e, e2e_ratio=ours_e2e / hf_e2e, identical_outputs=f"{same}/{batch}"))
     print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}, {machine()}; "
-          f"load average at start {load_start}, end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"load average at start {load_start}, end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"other processes kept {others_cores(cpu_start):.2f} cores busy on average")
     print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours e2e tok/s | transformers e2e tok/s | ratio | same greedy output |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

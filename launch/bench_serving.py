@@ -51,7 +51,7 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def make_cfg(args, executor: str, rate: float, name: str):
+def make_cfg(args, executor: str, rate: float, name: str, num_requests=None):
     return load_config(None, [
         f"model.path={args.model}",
         "model.dtype=float32",
@@ -59,7 +59,7 @@ def make_cfg(args, executor: str, rate: float, name: str):
         "parallel.tensor=1",
         f"parallel.threads_per_worker={args.threads}",
         "workload.kind=synthetic",
-        f"workload.num_requests={args.num_requests}",
+        f"workload.num_requests={num_requests or args.num_requests}",
         f"workload.prompt_len=[{args.prompt_len[0]},{args.prompt_len[1]}]",
         f"workload.output_len=[{args.output_len[0]},{args.output_len[1]}]",
         f"workload.request_rate={rate}",
@@ -71,12 +71,38 @@ def make_cfg(args, executor: str, rate: float, name: str):
     ])
 
 
-def run_engine(args, executor: str, rate: float, name: str) -> dict:
-    rep = run_experiment(make_cfg(args, executor, rate, name), progress=False)
+def run_engine(args, executor: str, rate: float, name: str, num_requests=None) -> dict:
+    rep = run_experiment(make_cfg(args, executor, rate, name, num_requests), progress=False)
     s = rep["summary"]
-    return {k: s[k] for k in ("output_tokens_per_s", "output_tokens", "duration_s", "ttft_p50_s", "ttft_p99_s",
-                              "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "mean_batch_size", "steps",
-                              "preemptions", "requests")}
+    out = {k: s[k] for k in ("output_tokens_per_s", "output_tokens", "duration_s", "ttft_p50_s", "ttft_p99_s",
+                             "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "mean_batch_size", "steps",
+                             "preemptions", "requests")}
+    # tokens delivered while requests were still arriving: the offered load when the engine keeps
+    # up, its capacity when it does not (the tail after the last arrival is left out)
+    reqs = rep["requests"]
+    arrivals = sorted(r["arrival_time"] for r in reqs)
+    if len(arrivals) > 1 and arrivals[-1] > arrivals[0]:
+        a0, a1 = arrivals[0], arrivals[-1]
+        n = 0
+        for r in reqs:
+            if r.get("ttft_s") is None:
+                continue
+            t = r["arrival_time"] + r["ttft_s"]
+            n += a0 <= t <= a1
+            for gap in r.get("itl_s") or ():
+                t += gap
+                n += a0 <= t <= a1
+        out["tokens_per_s_during_arrivals"] = n / (a1 - a0)
+    # step cost: pure decode steps against steps where prefill chunks ride along
+    steps = rep["steps"]
+    dec = [x["step_time_s"] for x in steps if x["num_tokens"] == x["num_seqs"]]
+    mixed = [x for x in steps if x["num_tokens"] > x["num_seqs"]]
+    out["decode_step_ms"] = statistics.median(dec) * 1e3 if dec else float("nan")
+    out["decode_step_batch"] = statistics.median(x["num_seqs"] for x in steps if x["num_tokens"] == x["num_seqs"]) if dec else float("nan")
+    out["mixed_step_ms"] = statistics.median(x["step_time_s"] for x in mixed) * 1e3 if mixed else float("nan")
+    out["mixed_steps"] = len(mixed)
+    out["mixed_time_share"] = sum(x["step_time_s"] for x in mixed) / max(1e-9, sum(x["step_time_s"] for x in steps))
+    return out
 
 
 def run_hf(model, requests, batch: int, pad_id: int = 0) -> dict:
@@ -115,7 +141,8 @@ def main():
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--executors", default="local,ray", help="engines in the throughput comparison")
     ap.add_argument("--sweep-executors", default="local", help="engines in the Poisson sweep")
-    ap.add_argument("--rate-factors", default="0.3,0.7,1.5", help="request rates as fractions of the saturation rate")
+    ap.add_argument("--rate-factors", default="0.25,0.5,0.75,1.25", help="request rates as fractions of the saturation rate")
+    ap.add_argument("--sweep-requests", type=int, default=96, help="requests per Poisson run")
     ap.add_argument("--rates", default=None, help="explicit request rates (req/s), overrides --rate-factors")
     ap.add_argument("--out-dir", default="/tmp/dspark-bench/serving")
     ap.add_argument("--json", default=None)
@@ -127,7 +154,7 @@ def main():
     if "ray" in executors + sweep_executors:
         import ray
 
-        ray.init(num_cpus=8, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, log_to_driver=False)  # a fresh local instance, even beside another
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -159,7 +186,7 @@ def main():
         rates = [float(x) for x in args.rates.split(",")] if args.rates else \
             [round(f * sat_rate, 2) for f in (float(x) for x in args.rate_factors.split(","))]
         for rate in rates:
-            r = run_engine(args, ex, rate, f"poisson-{ex}-{rate}")
+            r = run_engine(args, ex, rate, f"poisson-{ex}-{rate}", args.sweep_requests)
             r.update(executor=ex, request_rate=rate, saturation_rate=sat_rate, offered_tokens_per_s=rate * mean_out)
             sweep.append(r)
             print(f"poisson {ex} rate {rate}: ttft p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
@@ -176,25 +203,30 @@ def main():
     print(f"\n{res['machine']}; threads {args.threads}; load average at start {res['loadavg_start']}, end {res['loadavg_end']}")
     print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean {res['mean_prompt_len']:.0f}), "
           f"outputs {args.output_len[0]}-{args.output_len[1]} (mean {mean_out:.0f}), all at t=0; {args.repeats} interleaved repeats")
-    print("| system | output tok/s (median) | runs | vs transformers | mean batch | steps |")
-    print("|---|---|---|---|---|---|")
+    print("| system | output tok/s (median) | runs | vs transformers | mean batch | steps | decode step ms (batch) | mixed step ms, count, share of time |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in names:
         rr = runs[n]
-        extra = (f"{statistics.median(r['mean_batch_size'] for r in rr):.1f} | {statistics.median(r['steps'] for r in rr):.0f}"
-                 if n != "transformers" else f"{args.hf_batch} (static) | -")
+        extra = (f"{statistics.median(r['mean_batch_size'] for r in rr):.1f} | {statistics.median(r['steps'] for r in rr):.0f} | "
+                 f"{statistics.median(r['decode_step_ms'] for r in rr):.1f} ({rr[0]['decode_step_batch']:.0f}) | "
+                 f"{statistics.median(r['mixed_step_ms'] for r in rr):.1f}, {rr[0]['mixed_steps']}, "
+                 f"{statistics.median(r['mixed_time_share'] for r in rr):.0%}"
+                 if n != "transformers" else f"{args.hf_batch} (static) | - | - | -")
         runs_s = ", ".join(f"{r['output_tokens_per_s']:.0f}" for r in rr)
         print(f"| {n} | {tput[n]:.0f} | {runs_s} | "
               f"{tput[n] / tput['transformers']:.2f}x | {extra} |")
     print(f"transformers static batches: {res['throughput']['transformers_padding_waste']:.0%} of generated tokens past a request's own length")
     if sweep:
         print("\nPoisson arrivals (saturation rate = engine output tok/s at t=0 / mean output length)")
-        print("| executor | rate (req/s) | x saturation | offered tok/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | mean batch |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"{args.sweep_requests} requests per rate; delivered tok/s = output tokens made between the first and the last arrival / that span")
+        print("| executor | rate (req/s) | x saturation | offered tok/s | delivered tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | mean batch | decode step ms (batch) | mixed step ms, count, share of time |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in sweep:
             print(f"| {r['executor']} | {r['request_rate']:.2f} | {r['request_rate'] / r['saturation_rate']:.2f} | "
-                  f"{r['offered_tokens_per_s']:.0f} | {r['output_tokens_per_s']:.0f} | "
+                  f"{r['offered_tokens_per_s']:.0f} | {r.get('tokens_per_s_during_arrivals', float('nan')):.0f} | "
                   f"{r['ttft_p50_s']*1e3:.0f} / {r['ttft_p99_s']*1e3:.0f} | {r['tpot_p50_s']*1e3:.1f} / {r['tpot_p99_s']*1e3:.1f} | "
-                  f"{r['mean_batch_size']:.1f} |")
+                  f"{r['mean_batch_size']:.1f} | {r['decode_step_ms']:.1f} ({r['decode_step_batch']:.0f}) | "
+                  f"{r['mixed_step_ms']:.1f}, {r['mixed_steps']}, {r['mixed_time_share']:.0%} |")
     print(f"\ntotal time {res['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
