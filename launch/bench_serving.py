@@ -129,6 +129,52 @@ def run_hf(model, requests, batch: int, pad_id: int = 0) -> dict:
     return {"output_tokens_per_s": useful / dt, "output_tokens": useful, "generated_tokens": generated, "duration_s": dt}
 
 
+def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 300, prefill: int = 256, repeats: int = 5) -> dict:
+    """One step's cost, in process: `n_decodes` decode rows (context `ctx`) alone, one `prefill`-token
+    prompt alone, and both in one step (what the scheduler does when a request arrives while others
+    decode). Also counts the attention query rows the padded layout computes."""
+    from dspark_cluster.kv_cache import BlockManager, allocate_kv_cache
+    from dspark_cluster.model.loader import load_model
+    from dspark_cluster.sampling import SamplingParams
+    from dspark_cluster.scheduler import ScheduledSeq
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.step import build_step_input, execute_step
+
+    torch.set_num_threads(threads)
+    spec = load_spec(model_path, "float32")
+    model = load_model(model_path, spec, device=torch.device("cpu"))
+    block = 16
+    blocks = (n_decodes + 1) * (-(-(ctx + prefill + 1) // block)) + 1
+    allocate_kv_cache(model, blocks, block, torch.device("cpu"))
+    bm = BlockManager(blocks, block)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    decodes = []
+    for i in range(n_decodes):
+        seq = Sequence(f"d{i}", torch.randint(3, spec.vocab_size, (ctx,), generator=g).tolist(), ctx - 1, params)
+        seq.num_computed_tokens = ctx - 1
+        bm.allocate(seq.seq_id, ctx)
+        decodes.append(ScheduledSeq(seq, 1))
+    new = Sequence("p", torch.randint(3, spec.vocab_size, (prefill,), generator=g).tolist(), prefill, params)
+    bm.allocate(new.seq_id, prefill)
+    pre = [ScheduledSeq(new, prefill)]
+    cases = {"decodes alone": decodes, "prefill alone": pre, "decodes + prefill in one step": decodes + pre}
+    out = {}
+    for name, sched in cases.items():
+        step = build_step_input(sched, bm.block_tables, block)
+        execute_step(model, step)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            execute_step(model, step)
+            ts.append(time.perf_counter() - t0)
+        max_q = max(x.num_new_tokens for x in sched)
+        out[name] = {"ms": statistics.median(ts) * 1e3, "padded_query_rows": len(sched) * max_q,
+                     "real_query_rows": sum(x.num_new_tokens for x in sched)}
+    print(f"mixed-step probe: {out}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
@@ -192,6 +238,7 @@ def main():
             print(f"poisson {ex} rate {rate}: ttft p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
                   f"tpot p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, {r['output_tokens_per_s']:.0f} tok/s", flush=True)
     res["sweep"] = sweep
+    res["mixed_probe"] = mixed_step_probe(args.model, args.threads)
     if "ray" in executors + sweep_executors:
         import ray
 
@@ -227,6 +274,12 @@ def main():
                   f"{r['ttft_p50_s']*1e3:.0f} / {r['ttft_p99_s']*1e3:.0f} | {r['tpot_p50_s']*1e3:.1f} / {r['tpot_p99_s']*1e3:.1f} | "
                   f"{r['mean_batch_size']:.1f} | {r['decode_step_ms']:.1f} ({r['decode_step_batch']:.0f}) | "
                   f"{r['mixed_step_ms']:.1f}, {r['mixed_steps']}, {r['mixed_time_share']:.0%} |")
+    mp_ = res["mixed_probe"]
+    print("\nOne step, in process (22 decodes at context 300; one 256-token prompt): per-sequence query rows padded to the longest")
+    print("| step | ms | query rows computed (padded) | query rows needed |")
+    print("|---|---|---|---|")
+    for name, r in mp_.items():
+        print(f"| {name} | {r['ms']:.1f} | {r['padded_query_rows']} | {r['real_query_rows']} |")
     print(f"\ntotal time {res['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
