@@ -282,3 +282,25 @@ def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def machine_info() -> str:
+    """One line naming the machine a measurement ran on, for BENCHMARKS.md."""
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lscpu if line.startswith("Model name"))
+    except Exception:  # noqa: BLE001 - lscpu missing: fall back to what Python knows
+        cpu = platform.processor() or platform.machine()
+    return f"nproc={os.cpu_count()}, CPU: {cpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def loadavg() -> str:
+    import os
+
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from dspark_cluster.report import machine_info as machine  # noqa: E402
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
 from dspark_cluster.config import ASSETS_DIR  # noqa: E402
 
@@ -66,13 +65,6 @@ def time_hf(model, prompts, new_tokens: int, pad_id: int):
     return total, prefill, [row[width:].tolist() for row in out]
 
 
-def machine() -> str:
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                     if l.startswith("Model name"))
-    except Exception:
-        model = platform.processor() or platform.machine()
-    return f"nproc={os.cpu_count()}, CPU: {model}, Python {platform.python_version()}"
 
 
 def cpu_now() -> tuple[float, float, float]:

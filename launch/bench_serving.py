@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -31,6 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from dspark_cluster.report import loadavg, machine_info as machine  # noqa: E402
 from dspark_cluster import load_config  # noqa: E402
 from dspark_cluster.config import ASSETS_DIR  # noqa: E402
 from dspark_cluster.model.spec import load_spec  # noqa: E402
@@ -38,17 +37,8 @@ from dspark_cluster.runner import run_experiment  # noqa: E402
 from dspark_cluster.workload import make_workload  # noqa: E402
 
 
-def machine() -> str:
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                     if l.startswith("Model name"))
-    except Exception:
-        model = platform.processor() or platform.machine()
-    return f"nproc={os.cpu_count()}, CPU: {model}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def make_cfg(args, executor: str, rate: float, name: str, num_requests=None):
