@@ -1,6 +1,8 @@
 """Sharded execution on Ray (issue 4): collective bytes per decode step, Ray overhead, TP scaling.
 
-    python launch/bench_cluster.py [--model PATH] [--parts comm,overhead,scaling] [--json OUT]
+    python launch/bench_cluster.py [--model PATH] [--parts comm,overhead,scaling,noray] [--json OUT]
+    python launch/bench_cluster.py --parts scaling,noray --big-model /tmp/dspark-bench/qwen3moe-h2048 \
+        --big-hidden 2048 --big-moe-inter 2048      # the same scaling with 4x the FLOPs per token
 
 comm      bytes each rank sends per decode step (all-reduce / all-gather / all-to-all), read from the
           workers' own counters (`Router.comm_stats`), at tensor = 2 and 4, against an analytic count.
@@ -9,17 +11,24 @@ comm      bytes each rank sends per decode step (all-reduce / all-gather / all-t
           in-process model and records each token's top-k experts, so it is exact, not an expectation.
 overhead  decode step time (RequestOutput.metrics["tpot_s"], 128-token greedy generation, batch 1)
           through the cluster at tensor = 1 (Router actor + one ShardWorker over a Ray compiled
-          graph) against the in-process engine (executor local), one thread each, interleaved.
+          graph) against the in-process engine (executor local), one thread each, interleaved; then
+          where the difference goes: both executors behind the same AsyncEngine (engine step time vs
+          the period between steps), a pickle round trip of a decode StepInput / StepOutput, and the
+          compiled graph's own round trip over a do-nothing actor with those payloads.
 scaling   prefill throughput (prompt tokens/s; 8 prompts x 256 tokens, max_tokens=1) at tensor = 2
           vs tensor = 1, one thread per worker, on a random Qwen3-MoE checkpoint with hidden 1024
-          (built once under /tmp), configurations alternated A B A B.
+          (built once under /tmp), configurations alternated A B B A.
+noray     the same prefill step as plain processes (torch.distributed + gloo, the same shards and
+          execute_step, no Router, no compiled graph), with the time each rank spends inside each
+          collective, and gloo's own bandwidth on this machine.
 
-Ray is started once (`ray.init(num_cpus=8)`); each LLM is shut down before the next starts.
+Ray is started once (`ray.init(address="local", num_cpus=8)`); each LLM is shut down before the next starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -30,12 +39,13 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from dspark_cluster.report import loadavg, machine_info as machine  # noqa: E402
-from dspark_cluster import LLM, SamplingParams  # noqa: E402
-from dspark_cluster.config import ASSETS_DIR  # noqa: E402
-from dspark_cluster.model.spec import load_spec  # noqa: E402
+from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.config import ASSETS_DIR
+from dspark_cluster.model.spec import load_spec
+from dspark_cluster.report import loadavg
+from dspark_cluster.report import machine_info as machine
 
 KINDS = ("all_reduce", "all_gather", "all_to_all")
 
@@ -72,7 +82,7 @@ def diff(a: list[dict], b: list[dict]) -> list[dict]:
 def record_routing(path, seqs):
     """Top-k expert ids of every token of every sequence, per MoE layer, from the in-process model
     (teacher-forced: the same tokens the sharded run decoded). Returns [seq][layer] -> ids [len, k]."""
-    import dspark_cluster.model.layers as layers
+    from dspark_cluster.model import layers
 
     captured = []
     orig = layers.route
@@ -155,9 +165,9 @@ def bench_comm(path, tps, batches, prompt_len, n_steps):
             seqs = [p + o.token_ids[:n_steps] for p, o in zip(prompts, outs)]
             routing = record_routing(path, seqs)
             expect, calls = analytic_decode_bytes(spec, tp, routing, [len(p) for p in prompts], n_steps)
-            rows.append(dict(batch=B, tensor=tp, measured=measured, analytic=expect, analytic_calls=calls,
-                             prefill_tokens=sum(len(p) for p in prompts),
-                             prefill_bytes_rank0={k: prefill[0]["bytes"][k] for k in KINDS}))
+            rows.append({"batch": B, "tensor": tp, "measured": measured, "analytic": expect, "analytic_calls": calls,
+                             "prefill_tokens": sum(len(p) for p in prompts),
+                             "prefill_bytes_rank0": {k: prefill[0]["bytes"][k] for k in KINDS}})
             print(f"comm B={B} tp={tp}: measured rank0 {measured[0]['bytes']} analytic rank0 {expect[0]}", flush=True)
     return rows
 
@@ -233,10 +243,10 @@ def bench_overhead(path, repeats, new_tokens, prompt_len):
     tr = statistics.median(t for t, _ in res["ray"])
     ratios = [r[0] / l[0] for l, r in zip(res["local"], res["ray"])]
     cores = {name: {k: statistics.median(c[k] for c in cpu[name]) for k in cpu[name][0]} for name in cpu}
-    out = dict(local_tpot_ms=tl * 1e3, ray_tpot_ms=tr * 1e3, ratio=tr / tl, ratio_of_pairs_median=statistics.median(ratios),
-               local_ttft_ms=statistics.median(t for _, t in res["local"]) * 1e3,
-               ray_ttft_ms=statistics.median(t for _, t in res["ray"]) * 1e3,
-               repeats=repeats, identical_outputs=outs["local"] == outs["ray"], cores_busy=cores, raw=res)
+    out = {"local_tpot_ms": tl * 1e3, "ray_tpot_ms": tr * 1e3, "ratio": tr / tl, "ratio_of_pairs_median": statistics.median(ratios),
+               "local_ttft_ms": statistics.median(t for _, t in res["local"]) * 1e3,
+               "ray_ttft_ms": statistics.median(t for _, t in res["ray"]) * 1e3,
+               "repeats": repeats, "identical_outputs": outs["local"] == outs["ray"], "cores_busy": cores, "raw": res}
     print(f"overhead: local {tl*1e3:.2f} ms  ray {tr*1e3:.2f} ms  ratio {tr/tl:.2f}x  cores {cores}", flush=True)
     return out
 
@@ -258,9 +268,9 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
                                      f"report.name={ex}-{i}"])
             rep = run_experiment(cfg, progress=False)
             steps = [s for s in rep["steps"] if s["num_tokens"] == 1]
-            period = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:]))
-            rows[ex].append(dict(step_ms=statistics.median(s["step_time_s"] for s in steps) * 1e3, period_ms=period * 1e3,
-                                 tpot_ms=rep["summary"]["tpot_p50_s"] * 1e3))
+            period = statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
+            rows[ex].append({"step_ms": statistics.median(s["step_time_s"] for s in steps) * 1e3,
+                             "period_ms": period * 1e3, "tpot_ms": rep["summary"]["tpot_p50_s"] * 1e3})
             if ex == "ray":
                 time.sleep(1.0)
     out = {ex: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for ex, rs in rows.items()}
@@ -350,7 +360,7 @@ def compiled_graph_roundtrip(path, n=300) -> dict:
         reply = StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]), expert_load=load)
     except TypeError:
         reply = StepOutput(sampled=torch.tensor([5]), expert_load=load)
-    as_np = lambda obj: {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)  # noqa: E731
+    as_np = lambda obj: {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)
                                   else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     cases = {"torch StepInput -> torch StepOutput": (step, reply), "numpy fields -> numpy fields": (as_np(step), as_np(reply)),
              "int -> int": (1, 1)}
@@ -429,12 +439,12 @@ def bench_scaling(path, cycles, repeats, n_prompts, prompt_len):
     experts = spec.top_k * 2 * 3 * H * I
     gate = 2 * H * E
     flops = ntok * L * (attn_proj + attn_sdpa + experts + gate) + n_prompts * 2 * H * spec.vocab_size
-    out = dict(tp1_tok_s=ntok / t1, tp2_tok_s=ntok / t2, speedup=t1 / t2, tp1_s=t1, tp2_s=t2, prompt_tokens=ntok,
-               flops_per_prefill=flops, tp1_gflops=flops / t1 / 1e9, tp2_gflops=flops / t2 / 1e9,
-               comm_bytes_per_prefill_rank0=comm,
-               cores_busy={tp: {k: statistics.median(c[k] for c in v) for k in v[0]} for tp, v in cores.items()}, raw={str(k): v for k, v in times.items()},
-               model=dict(hidden=H, layers=L, vocab=spec.vocab_size, experts=E, moe_intermediate=I,
-                          heads=spec.num_heads, kv_heads=spec.num_kv_heads))
+    out = {"tp1_tok_s": ntok / t1, "tp2_tok_s": ntok / t2, "speedup": t1 / t2, "tp1_s": t1, "tp2_s": t2, "prompt_tokens": ntok,
+               "flops_per_prefill": flops, "tp1_gflops": flops / t1 / 1e9, "tp2_gflops": flops / t2 / 1e9,
+               "comm_bytes_per_prefill_rank0": comm,
+               "cores_busy": {tp: {k: statistics.median(c[k] for c in v) for k in v[0]} for tp, v in cores.items()}, "raw": {str(k): v for k, v in times.items()},
+               "model": {"hidden": H, "layers": L, "vocab": spec.vocab_size, "experts": E, "moe_intermediate": I,
+                          "heads": spec.num_heads, "kv_heads": spec.num_kv_heads}}
     print(f"scaling: tp1 {ntok/t1:.0f} tok/s, tp2 {ntok/t2:.0f} tok/s, speedup {t1/t2:.2f}x", flush=True)
     return out
 
@@ -443,6 +453,8 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     """One process of the Ray-free diagnostic: the same shard, collectives and execute_step as a
     ShardWorker, driven by a plain loop (no Router, no compiled graph)."""
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     from dspark_cluster.kv_cache import BlockManager, allocate_kv_cache
     from dspark_cluster.model.loader import load_model
     from dspark_cluster.placement import default_placement
@@ -453,8 +465,6 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     from parallel.comm import TensorParallelComm
     from parallel.expert_parallel import ExpertParallelDispatch
     from parallel.state import init_parallel, shutdown_parallel
-
-    import torch.distributed as dist
 
     comm_time = {"all_reduce": 0.0, "all_gather": 0.0, "all_to_all_single": 0.0}
 
@@ -503,6 +513,52 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     shutdown_parallel()
 
 
+def _gloo_worker(rank, world, port, q):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    n = 8 * 2**20 // 4  # 8 MiB of fp32
+    x = torch.randn(n)
+    ops = {"all_reduce": (lambda: dist.all_reduce(x), n * 4 * 2 * (world - 1) / world),
+           "all_gather": (lambda: dist.all_gather([torch.empty(n // world) for _ in range(world)], x[: n // world]),
+                          n // world * 4 * (world - 1)),
+           "all_to_all": (lambda: dist.all_to_all_single(torch.empty(n), x), n * 4 * (world - 1) / world)}
+    for name, (fn, sent) in ops.items():
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        dist.barrier()
+        dt = (time.perf_counter() - t0) / 10
+        res[name] = {"ms": dt * 1e3, "sent_MB_per_s": sent / dt / 1e6}
+    if rank == 0:
+        q.put(res)
+    dist.destroy_process_group()
+
+
+def gloo_bandwidth(world=2) -> dict:
+    """gloo collectives over loopback between `world` 1-thread processes, 8 MiB tensors; bytes sent
+    per rank counted the way parallel/comm.py counts them."""
+    import torch.multiprocessing as mp
+
+    from parallel.state import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    print(f"gloo bandwidth: {res}", flush=True)
+    return res
+
+
 def bench_scaling_noray(path, repeats, n_prompts, prompt_len, rounds=2):
     """Prefill step time of the same sharded forward at tensor 1 and 2 in plain processes."""
     import torch.multiprocessing as mp
@@ -533,8 +589,8 @@ def bench_scaling_noray(path, repeats, n_prompts, prompt_len, rounds=2):
     for rank, c in in_comm.items():
         print(f"no-Ray tensor 2 rank {rank}: seconds inside collectives per prefill " +
               ", ".join(f"{k} {v:.3f}" for k, v in c.items()), flush=True)
-    return dict(tp1_s=t1, tp2_s=t2, tp1_tok_s=ntok / t1, tp2_tok_s=ntok / t2, speedup=t1 / t2, raw=times,
-                tp2_seconds_in_collectives=in_comm)
+    return {"tp1_s": t1, "tp2_s": t2, "tp1_tok_s": ntok / t1, "tp2_tok_s": ntok / t2, "speedup": t1 / t2, "raw": times,
+                "tp2_seconds_in_collectives": in_comm}
 
 
 def fmt_b(x: float) -> str:
@@ -550,13 +606,14 @@ def print_tables(res):
         for r in res["comm"]:
             m, a = r["measured"], r["analytic"]
             tp = r["tensor"]
-            mean = lambda rows, key, k: sum(x[key][k] if key else x[k] for x in rows) / tp  # noqa: E731
+            mean_m = sum(x["bytes"]["all_to_all"] for x in m) / tp
+            mean_a = sum(x["all_to_all"] for x in a) / tp
             calls = "/".join(f"{m[0]['calls'][k]:g}" for k in KINDS)
             acalls = "/".join(str(r["analytic_calls"][k]) for k in KINDS)
             print(f"| {r['batch']} | {tp} | {fmt_b(m[0]['bytes']['all_reduce'])} | {fmt_b(a[0]['all_reduce'])} | "
                   f"{fmt_b(m[0]['bytes']['all_gather'])} | {fmt_b(a[0]['all_gather'])} | "
                   f"{fmt_b(m[0]['bytes']['all_to_all'])} | {fmt_b(a[0]['all_to_all'])} | "
-                  f"{fmt_b(mean(m, 'bytes', 'all_to_all'))} | {fmt_b(mean(a, None, 'all_to_all'))} | {calls} | {acalls} |")
+                  f"{fmt_b(mean_m)} | {fmt_b(mean_a)} | {calls} | {acalls} |")
     if "overhead" in res:
         o = res["overhead"]
         print(f"\nRay overhead, tensor = 1, batch 1, {o['repeats']} interleaved repeats (medians)")
@@ -644,6 +701,7 @@ def main():
             big = build_big_checkpoint(Path(args.big_model), args.big_hidden, args.big_layers, args.big_vocab, 8,
                                        args.big_moe_inter)
             res["noray"] = bench_scaling_noray(str(big), args.scaling_repeats, args.scaling_prompts, args.scaling_prompt_len)
+            res["noray"]["gloo"] = gloo_bandwidth(2)
     finally:
         ray.shutdown()
     res["loadavg_end"] = loadavg()
@@ -657,6 +715,9 @@ def main():
         for rank, c in n["tp2_seconds_in_collectives"].items():
             print(f"  tensor 2, rank {rank}: s inside collectives per prefill (waiting included): " +
                   ", ".join(f"{k} {v:.3f}" for k, v in c.items()))
+        if "gloo" in n:
+            print("  gloo on this machine, 2 processes, 8 MiB fp32: " +
+                  "; ".join(f"{k} {v['ms']:.1f} ms = {v['sent_MB_per_s']:.0f} MB/s sent per rank" for k, v in n["gloo"].items()))
     print(f"\ntotal time {res['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

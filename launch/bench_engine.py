@@ -22,11 +22,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from dspark_cluster.report import machine_info as machine  # noqa: E402
-from dspark_cluster import LLM, SamplingParams  # noqa: E402
-from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.config import ASSETS_DIR
+from dspark_cluster.report import machine_info as machine
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -54,7 +54,7 @@ def time_hf(model, prompts, new_tokens: int, pad_id: int):
     for i, p in enumerate(prompts):  # left padding, as batched generation needs
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+    kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": pad_id, "eos_token_id": None}
     with torch.inference_mode():
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
@@ -89,7 +89,8 @@ def profile(llm, hf, batch: int, vocab: int, new_tokens: int, top: int = 20):
     import cProfile
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     prompts = prompts_for(batch, vocab)
     steps = new_tokens - 2
@@ -167,9 +168,9 @@ def main():
         ours_e2e = statistics.median(batch * args.new_tokens / t for t, _, _ in ours)
         hf_e2e = statistics.median(batch * args.new_tokens / t for t, _, _ in theirs)
         same = sum(a == b for a, b in zip(ours[0][2], theirs[0][2]))
-        results.append(dict(batch=batch, prompt_lens=[len(p) for p in prompts], ours_decode_tok_s=ours_dec,
-                            hf_decode_tok_s=hf_dec, decode_ratio=ours_dec / hf_dec, ours_e2e_tok_s=ours_e2e,
-                            hf_e2e_tok_s=hf_e2e, e2e_ratio=ours_e2e / hf_e2e, identical_outputs=f"{same}/{batch}"))
+        results.append({"batch": batch, "prompt_lens": [len(p) for p in prompts], "ours_decode_tok_s": ours_dec,
+                            "hf_decode_tok_s": hf_dec, "decode_ratio": ours_dec / hf_dec, "ours_e2e_tok_s": ours_e2e,
+                            "hf_e2e_tok_s": hf_e2e, "e2e_ratio": ours_e2e / hf_e2e, "identical_outputs": f"{same}/{batch}"})
     print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}, {machine()}; "
           f"load average at start {load_start}, end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"other processes kept {others_cores(cpu_start):.2f} cores busy on average")

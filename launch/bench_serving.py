@@ -8,11 +8,13 @@ throughput  A mixed workload (synthetic prompts of 8-256 tokens, 8-256 output to
             requests in arrival order (left-padded; each batch decodes to its longest requested
             output, and only the requested tokens count as output). Repeats are interleaved,
             rotating the order; medians are reported.
-latency     TTFT and TPOT p50 / p99 under Poisson arrivals at three request rates, chosen from the
-            measured saturation rate (engine output tokens/s at t=0 arrivals / mean output length):
-            below, near and past it.
+latency     TTFT and TPOT p50 / p99 under Poisson arrivals at four request rates (--rate-factors),
+            fractions of the measured saturation rate (engine output tokens/s at t=0 arrivals / mean
+            output length): below, near and past it; with the tokens delivered while arrivals
+            continue, and the cost of decode-only steps against steps that carry a prefill chunk.
+probe       one step in process: 22 decodes alone, one 256-token prefill alone, both in one step.
 
-Ray is started once (`ray.init(num_cpus=8)`). Reports go under --out-dir.
+Ray is started once (`ray.init(address="local", num_cpus=8)`). Reports go under --out-dir.
 """
 
 from __future__ import annotations
@@ -27,18 +29,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from dspark_cluster.report import loadavg, machine_info as machine  # noqa: E402
-from dspark_cluster import load_config  # noqa: E402
-from dspark_cluster.config import ASSETS_DIR  # noqa: E402
-from dspark_cluster.model.spec import load_spec  # noqa: E402
-from dspark_cluster.runner import run_experiment  # noqa: E402
-from dspark_cluster.workload import make_workload  # noqa: E402
-
-
-
-
+from dspark_cluster import load_config
+from dspark_cluster.config import ASSETS_DIR
+from dspark_cluster.model.spec import load_spec
+from dspark_cluster.report import loadavg
+from dspark_cluster.report import machine_info as machine
+from dspark_cluster.runner import run_experiment
+from dspark_cluster.workload import make_workload
 
 
 def make_cfg(args, executor: str, rate: float, name: str, num_requests=None):
