@@ -44,7 +44,8 @@ class ExpertBalancer:
         self.steps += 1
         self.window.append(expert_load)
         self.total += expert_load
-        self.rank_history.append(eplb.rank_load(expert_load.float(), self.placement.phy2log, self.num_ranks).tolist())
+        if self.num_ranks > 1:  # one rank holds every expert: nothing to record per rank
+            self.rank_history.append(eplb.rank_load(expert_load.float(), self.placement.phy2log, self.num_ranks).tolist())
 
     def window_load(self) -> torch.Tensor:
         return torch.stack(list(self.window)).sum(0) if self.window else self.total.clone()
