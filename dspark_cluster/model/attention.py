@@ -89,17 +89,24 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     T, Hq, Dk = q.shape
     Hkv, Dv = k_new.shape[1], v_new.shape[-1]
     G = Hq // Hkv
-    k_cache.view(-1, Hkv, Dk)[meta.slot_mapping] = k_new
+    # index_copy_ / index_select: several times faster on CPU than advanced indexing for the same rows
+    k_cache.view(-1, Hkv, Dk).index_copy_(0, meta.slot_mapping, k_new)
     if v_cache is not None:
-        v_cache.view(-1, Hkv, Dv)[meta.slot_mapping] = v_new
+        v_cache.view(-1, Hkv, Dv).index_copy_(0, meta.slot_mapping, v_new)
     B, max_q = meta.num_seqs, meta.max_q
-    keys = k_cache[meta.block_tables].view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
+    blocks = meta.block_tables.flatten()
+    keys = k_cache.index_select(0, blocks).view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
     if v_cache is not None:
-        values = v_cache[meta.block_tables].view(B, -1, Hkv, Dv).transpose(1, 2)
+        values = v_cache.index_select(0, blocks).view(B, -1, Hkv, Dv).transpose(1, 2)
     else:
         values = keys  # MLA: the latent is the key's head; the extra rope channels are cut below
-    q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)])[meta.padded_to_token]  # [B * max_q, Hq, Dk]
-    q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
+    if max_q == 1:  # decodes only: one query per sequence, already in sequence order
+        q_pad = q.view(B, Hkv, G, Dk)
+    else:
+        q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, meta.padded_to_token)  # [B * max_q, Hq, Dk]
+        q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
     out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
+    if max_q == 1:
+        return out[..., :Dv].reshape(B, Hq, Dv)
     out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
-    return out[meta.token_to_padded]
+    return out.index_select(0, meta.token_to_padded)
