@@ -3,40 +3,56 @@
 The KV cache is a pool of fixed-size blocks; a sequence's `block_table` lists its blocks in order,
 and `slot_mapping[t] = block * block_size + offset` says where new token t's K/V is written.
 Attention gathers each sequence's blocks into a padded [B, S] view and runs SDPA with a causal
-mask built from positions, so a batch can mix prefill chunks and decodes of any lengths.
+mask built from positions, so a batch can mix prefill chunks and decodes of any lengths; decodes
+and longer queries are padded separately.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step layout shared by every layer. T = new tokens, B = sequences, S = padded keys."""
+class AttentionBatch:
+    """Sequences whose queries are padded together. B = sequences, S = padded keys."""
 
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; masked out)
-    token_to_padded: torch.Tensor  # [T] index into the flattened [B * max_q] query layout
-    padded_to_token: torch.Tensor  # [B * max_q] index into [T + 1]; T is a zero pad row
+    rows: Optional[torch.Tensor]  # [T_b] which of the step's new tokens are this batch's queries; None = all, in order
+    block_tables: torch.Tensor  # [B, blocks] (padded with block 0; masked out)
+    token_to_padded: torch.Tensor  # [T_b] index into the flattened [B * max_q] query layout
+    padded_to_token: torch.Tensor  # [B * max_q] index into [T_b + 1]; T_b is a zero pad row
     attn_mask: torch.Tensor  # [B, 1, max_q, S] additive: 0 = attend, -inf = masked
     max_q: int
     num_seqs: int
     _folded: dict = field(default_factory=dict)
 
-    def to(self, device, dtype=torch.float32) -> "AttentionMetadata":
+    def to(self, device, dtype=torch.float32) -> "AttentionBatch":
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items() if k != "_folded"}
         kw["attn_mask"] = self.attn_mask.to(device=device, dtype=dtype)
-        return AttentionMetadata(**kw)
+        return AttentionBatch(**kw)
 
     def folded_mask(self, group: int) -> torch.Tensor:
         """The mask for `group` query heads folded into the query axis: [B, 1, group * max_q, S]."""
         if group not in self._folded:
             self._folded[group] = self.attn_mask.repeat(1, 1, group, 1) if group > 1 else self.attn_mask
         return self._folded[group]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout shared by every layer. Decodes (one query each) and longer queries (prefill
+    chunks, verify rows) are separate batches: padding every decode to a prefill chunk's length and
+    context would multiply their attention work by that chunk's length."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    batches: list  # [AttentionBatch]
+    num_tokens: int
+
+    def to(self, device, dtype=torch.float32) -> "AttentionMetadata":
+        return AttentionMetadata(self.slot_mapping.to(device), [b.to(device, dtype) for b in self.batches], self.num_tokens)
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int):
@@ -47,34 +63,49 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     """
     B = query_lens.numel()
     T = int(query_lens.sum())
-    max_q = int(query_lens.max())
     seq_of_token = torch.repeat_interleave(torch.arange(B), query_lens)  # [T]
     starts = torch.cumsum(query_lens, 0) - query_lens
     idx_in_seq = torch.arange(T) - starts[seq_of_token]  # [T]
     positions = (context_lens - query_lens)[seq_of_token] + idx_in_seq
     block_idx = block_tables[seq_of_token, positions // block_size]
     slot_mapping = block_idx * block_size + positions % block_size
+    decode = query_lens == 1
+    if bool(decode.all()) or not bool(decode.any()):
+        batches = [_batch(None, query_lens, context_lens, block_tables, block_size)]
+    else:
+        batches = []
+        for part in (decode, ~decode):
+            rows = torch.nonzero(part[seq_of_token]).flatten()
+            batches.append(_batch(rows, query_lens[part], context_lens[part], block_tables[part], block_size))
+    return positions, AttentionMetadata(slot_mapping, batches, T)
 
+
+def _batch(rows, query_lens, context_lens, block_tables, block_size) -> AttentionBatch:
+    B = query_lens.numel()
+    T = int(query_lens.sum())
+    max_q = int(query_lens.max())
+    seq_of_token = torch.repeat_interleave(torch.arange(B), query_lens)
+    idx_in_seq = torch.arange(T) - (torch.cumsum(query_lens, 0) - query_lens)[seq_of_token]
     token_to_padded = seq_of_token * max_q + idx_in_seq
     padded_to_token = torch.full((B * max_q,), T, dtype=torch.long)
     padded_to_token[token_to_padded] = torch.arange(T)
-
+    # only the blocks that hold context (tables can be longer: lookahead slots for drafts)
+    block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]
     S = block_tables.shape[1] * block_size
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
     key_pos = torch.arange(S)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal; also keeps keys < context_len
     pad_rows = torch.arange(max_q)[None, :] >= query_lens[:, None]
     mask[pad_rows] = key_pos == 0  # padded query rows attend to one key so softmax is finite
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
+    return AttentionBatch(
+        rows=rows,
+        block_tables=block_tables.contiguous(),
         token_to_padded=token_to_padded,
         padded_to_token=padded_to_token,
         attn_mask=torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))[:, None],
         max_q=max_q,
         num_seqs=B,
     )
-    return positions, meta
 
 
 def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -82,19 +113,31 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     k_cache [num_blocks, block_size, Hkv, Dk], v_cache [..., Dv] (v_cache may be None: then the
     values are the first Dv channels of the keys, as in MLA's latent cache). Returns [T, Hq, Dv].
     SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
+    """
+    Hkv, Dk, Dv = k_new.shape[1], k_new.shape[-1], v_new.shape[-1]
+    # index_copy_ / index_select: several times faster on CPU than advanced indexing for the same rows
+    k_cache.view(-1, Hkv, Dk).index_copy_(0, meta.slot_mapping, k_new)
+    if v_cache is not None:
+        v_cache.view(-1, Hkv, Dv).index_copy_(0, meta.slot_mapping, v_new)
+    if len(meta.batches) == 1:
+        return _attend(q, k_cache, v_cache, meta.batches[0], scale, Dv)
+    out = q.new_empty(q.shape[0], q.shape[1], Dv)
+    for b in meta.batches:
+        out.index_copy_(0, b.rows, _attend(q.index_select(0, b.rows), k_cache, v_cache, b, scale, Dv))
+    return out
+
+
+def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
+    """Attention of one batch's queries q [T_b, Hq, Dk] over its sequences' cached keys -> [T_b, Hq, Dv].
 
     The G = Hq / Hkv query heads that share a KV head are folded into the query axis, so SDPA
     runs with Hkv heads and no KV copies (its own GQA path is many times slower on CPU).
     """
     T, Hq, Dk = q.shape
-    Hkv, Dv = k_new.shape[1], v_new.shape[-1]
+    Hkv = k_cache.shape[2]
     G = Hq // Hkv
-    # index_copy_ / index_select: several times faster on CPU than advanced indexing for the same rows
-    k_cache.view(-1, Hkv, Dk).index_copy_(0, meta.slot_mapping, k_new)
-    if v_cache is not None:
-        v_cache.view(-1, Hkv, Dv).index_copy_(0, meta.slot_mapping, v_new)
-    B, max_q = meta.num_seqs, meta.max_q
-    blocks = meta.block_tables.flatten()
+    B, max_q = b.num_seqs, b.max_q
+    blocks = b.block_tables.flatten()
     keys = k_cache.index_select(0, blocks).view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
     if v_cache is not None:
         values = v_cache.index_select(0, blocks).view(B, -1, Hkv, Dv).transpose(1, 2)
@@ -103,10 +146,10 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     if max_q == 1:  # decodes only: one query per sequence, already in sequence order
         q_pad = q.view(B, Hkv, G, Dk)
     else:
-        q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, meta.padded_to_token)  # [B * max_q, Hq, Dk]
+        q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)  # [B * max_q, Hq, Dk]
         q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
-    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
     if max_q == 1:
         return out[..., :Dv].reshape(B, Hq, Dv)
     out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
-    return out.index_select(0, meta.token_to_padded)
+    return out.index_select(0, b.token_to_padded)
