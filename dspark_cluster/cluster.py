@@ -99,12 +99,12 @@ class Cluster:
             self.shutdown()
             raise
 
-    def _get(self, refs):
+    def _get(self, refs, timeout=None):
         """ray.get that surfaces a worker's own exception (CheckpointError, ...) unwrapped."""
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
-            return self._ray.get(refs)
+            return self._ray.get(refs, timeout=timeout)
         except RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, DSparkError):
@@ -125,7 +125,7 @@ class Cluster:
     def execute(self, step):
         """One round to every worker. `step`: a StepInput, or one per data-parallel group (each
         worker takes its group's). Returns the driver rank's StepOutput (a list, one per group)."""
-        outs = self._get(self._dag.execute(step))
+        outs = self._get(self._dag.execute(step), timeout=self.cfg.parallel.step_timeout_s)
         tp = self.cfg.parallel.tensor
         drivers = [outs[g * tp] for g in range(self.cfg.parallel.data)]  # each group's TP rank 0 samples
         slot = [o.slot_load for o in outs]

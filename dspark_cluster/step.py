@@ -7,6 +7,7 @@ come back, never logits.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -43,7 +44,13 @@ def _to_wire(v):
 def _from_wire(v):
     kind, x = v
     if kind == "t":
-        return torch.from_numpy(x) if x.flags.writeable else torch.from_numpy(x.copy())
+        if x.flags.writeable:
+            return torch.from_numpy(x)
+        if x.nbytes < 2**20:  # a read-only channel buffer: small arrays are copied (a step may keep them)
+            return torch.from_numpy(x.copy())
+        with warnings.catch_warnings():  # large ones (draft_probs) are used within the step only: no copy
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(x)
     if kind == "tuple":
         return tuple(_from_wire(y) for y in x)
     return x

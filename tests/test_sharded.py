@@ -115,7 +115,7 @@ def test_impossible_topologies_are_refused_before_any_actor_starts(checkpoint, r
         LLM(tmp_path / "h8", config={"parallel": {"executor": "ray", "tensor": 8}})
     with pytest.raises(ConfigError, match="16 workers.*8 CPU devices"):
         LLM(tmp_path / "h16", config={"parallel": {"executor": "ray", "tensor": 16}})
-    assert alive_actors("ShardWorker") == before
+    assert alive_actors("ShardWorker") <= before  # none started (an earlier test's may still be exiting)
 
 
 def test_a_worker_that_cannot_load_its_shard_fails_cleanly(checkpoint, ray_cluster, tmp_path):
