@@ -237,6 +237,8 @@ class LLMEngine:
             {
                 "time": time.monotonic(),
                 "step_time_s": time.perf_counter() - t0,
+                "execute_s": verify_time,  # the executor's round (in process: the forward itself)
+                "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
                 "num_seqs": sum(len(sc.scheduled) for sc in scheds),
                 "num_tokens": sum(sc.num_tokens for sc in scheds),
                 "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),

@@ -540,6 +540,27 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 with contextlib.suppress(BaseException):
                     await task
 
+    async def sse_events(gen: _Generation, base: dict, include_usage: bool, chunks, first=()):
+        """The SSE body of a streamed completion: `first` choices, then each delta's choices from
+        `chunks(index, delta)`, the usage chunk when asked, and [DONE]; an engine error ends it
+        with an error event."""
+        metrics.streams_open.inc()
+        extra = {"usage": None} if include_usage else {}
+        try:
+            for choice in first:
+                yield _sse({**base, "choices": [choice], **extra})
+            async with contextlib.aclosing(gen.stream()) as it:
+                async for index, d in it:
+                    for choice in chunks(index, d):
+                        yield _sse({**base, "choices": [choice], **extra})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+        except DSparkError as e:
+            yield stream_error(e)
+        finally:
+            metrics.streams_open.dec()
+
     def stream_error(e: BaseException) -> str:
         return _sse(APIError(500, f"generation failed: {e}", type="server_error").body())
 
@@ -611,24 +632,11 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
-            async def events():
-                metrics.streams_open.inc()
-                try:
-                    async with contextlib.aclosing(gen.stream()) as it:
-                        async for index, d in it:
-                            if not d.text and d.finish_reason is None:
-                                continue
-                            choice = {"index": index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
-                            yield _sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": gen.usage()})
-                    yield "data: [DONE]\n\n"
-                except DSparkError as e:
-                    yield stream_error(e)
-                finally:
-                    metrics.streams_open.dec()
+            def chunks(index, d):
+                if d.text or d.finish_reason is not None:
+                    yield {"index": index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
 
-            return _SSEResponse(events())
+            return _SSEResponse(sse_events(gen, base, include_usage, chunks))
 
         jobs = await collect_unless_gone(request, gen)
         choices = [{"index": j.index, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason} for j in jobs]
@@ -677,33 +685,15 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
-            async def events():
-                metrics.streams_open.inc()
-                extra = {"usage": None} if include_usage else {}
-                try:
-                    for j in gen.jobs:  # the role first, as OpenAI does
-                        choice = {"index": j.index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}
-                        yield _sse({**base, "choices": [choice], **extra})
-                    async with contextlib.aclosing(gen.stream()) as it:
-                        async for index, d in it:
-                            if d.text:
-                                choice = {"index": index, "delta": {"content": d.text}, "logprobs": None,
-                                          "finish_reason": None}
-                                yield _sse({**base, "choices": [choice], **extra})
-                            if d.finish_reason is not None:
-                                choice = {"index": index, "delta": {}, "logprobs": None,
-                                          "finish_reason": d.finish_reason}
-                                yield _sse({**base, "choices": [choice], **extra})
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": gen.usage()})
-                    yield "data: [DONE]\n\n"
-                except DSparkError as e:
-                    yield stream_error(e)
-                finally:
-                    metrics.streams_open.dec()
+            def chunks(index, d):
+                if d.text:
+                    yield {"index": index, "delta": {"content": d.text}, "logprobs": None, "finish_reason": None}
+                if d.finish_reason is not None:
+                    yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
 
-            return _SSEResponse(events())
+            role = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for j in gen.jobs]  # the role first, as OpenAI does
+            return _SSEResponse(sse_events(gen, base, include_usage, chunks, first=role))
 
         jobs = await collect_unless_gone(request, gen)
         choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text}, "logprobs": None,

@@ -7,6 +7,7 @@ come back, never logits.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -87,6 +88,7 @@ class StepOutput(_NumpyWire):
     logits: Optional[torch.Tensor] = None  # [S, vocab], only when StepInput.return_logits
     migration_ready: Optional[bool] = None  # an expert migration is staged and complete on this rank
     migration_bytes: int = 0
+    forward_s: float = 0.0  # this rank's time inside execute_step (the rest of a round is transport)
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int) -> StepInput:
@@ -154,6 +156,13 @@ def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD)."""
+    t0 = time.perf_counter()
+    out = _execute_step(model, step, device, sample_tokens)
+    out.forward_s = time.perf_counter() - t0
+    return out
+
+
+def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOutput:
     if step.query_lens.numel() == 0:
         return _idle_step(model, device)
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)

@@ -270,6 +270,8 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
             steps = [s for s in rep["steps"] if s["num_tokens"] == 1]
             period = statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
             rows[ex].append({"step_ms": statistics.median(s["step_time_s"] for s in steps) * 1e3,
+                             "execute_ms": statistics.median(s["execute_s"] for s in steps) * 1e3,
+                             "forward_ms": statistics.median(s["forward_s"] for s in steps) * 1e3,
                              "period_ms": period * 1e3, "tpot_ms": rep["summary"]["tpot_p50_s"] * 1e3})
             if ex == "ray":
                 time.sleep(1.0)
@@ -627,10 +629,12 @@ def print_tables(res):
             print(f"cores busy during the {name} generation: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
         if "breakdown" in o:
             print("Both executors behind the same AsyncEngine (run_experiment, 1 request), decode steps, medians:")
-            print("| executor | engine step_time_s (ms) | period between steps (ms) | TPOT (ms) |")
-            print("|---|---|---|---|")
+            print("| executor | engine step_time_s (ms) | executor round (ms) | forward on the driver rank (ms) | "
+                  "period between steps (ms) | TPOT (ms) |")
+            print("|---|---|---|---|---|---|")
             for ex, b in o["breakdown"].items():
-                print(f"| {ex} | {b['step_ms']:.2f} | {b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
+                print(f"| {ex} | {b['step_ms']:.2f} | {b['execute_ms']:.2f} | {b['forward_ms']:.2f} | {b['period_ms']:.2f} | "
+                      f"{b['tpot_ms']:.2f} |")
         if "serialization" in o:
             z = o["serialization"]
             print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} torch tensors) "
