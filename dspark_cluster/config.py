@@ -42,6 +42,8 @@ class ParallelConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads_per_worker: Optional[int] = Field(None, ge=1)
+    # a step (one compiled-graph round) longer than this fails its requests: a hung or lost worker
+    step_timeout_s: float = Field(600.0, gt=0)
 
     @property
     def world_size(self) -> int:
