@@ -94,7 +94,13 @@ class ShardWorker:
 
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
 
-    def step(self, step_input):
+    def step(self, data: bytes) -> bytes:
+        """One round: a pickled StepInput (or one per data-parallel group) in, a pickled StepOutput out."""
+        from dspark_cluster.step import from_wire, to_wire
+
+        return to_wire(self._step(from_wire(data)))
+
+    def _step(self, step_input):
         from dspark_cluster.step import execute_step
 
         if isinstance(step_input, list):  # one StepInput per data-parallel group

@@ -16,7 +16,7 @@ import torch
 from .config import Config
 from .errors import CheckpointError, ConfigError, DSparkError
 from .model.spec import ModelSpec
-from .step import StepInput
+from .step import StepInput, from_wire, to_wire
 
 
 def ensure_ray(num_workers: int = 1):
@@ -125,7 +125,7 @@ class Cluster:
     def execute(self, step):
         """One round to every worker. `step`: a StepInput, or one per data-parallel group (each
         worker takes its group's). Returns the driver rank's StepOutput (a list, one per group)."""
-        outs = self._get(self._dag.execute(step), timeout=self.cfg.parallel.step_timeout_s)
+        outs = [from_wire(o) for o in self._get(self._dag.execute(to_wire(step)), timeout=self.cfg.parallel.step_timeout_s)]
         tp = self.cfg.parallel.tensor
         drivers = [outs[g * tp] for g in range(self.cfg.parallel.data)]  # each group's TP rank 0 samples
         slot = [o.slot_load for o in outs]

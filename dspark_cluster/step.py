@@ -7,6 +7,7 @@ come back, never logits.
 
 from __future__ import annotations
 
+import pickle
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -22,9 +23,8 @@ from .scheduler import ScheduledSeq
 
 
 class _NumpyWire:
-    """Pickles torch tensor fields as numpy arrays and restores them as tensors (zero-copy both ways).
-    Torch's own tensor pickling goes through its storage reducers, ~20x slower for these small
-    arrays; numpy arrays travel as pickle-5 buffers, which Ray's channels pass without copies."""
+    """Pickles a step's tensors as numpy and restores them as tensors. Torch's own tensor pickling
+    goes through its storage reducers, ~20x slower for these small arrays."""
 
     def __getstate__(self):
         return {f.name: _to_wire(getattr(self, f.name)) for f in fields(self)}
@@ -32,6 +32,20 @@ class _NumpyWire:
     def __setstate__(self, state):
         for k, v in state.items():
             setattr(self, k, _from_wire(v))
+
+
+def to_wire(obj) -> bytes:
+    """A StepInput / StepOutput (or a list of them) as one bytes object. Ray channels pass bytes
+    on a fast path: a compiled-graph round trip of the pickled bytes takes ~0.05 ms on this CPU,
+    of the object itself ~0.6 ms (measured in launch/bench_cluster.py)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def from_wire(data: bytes):
+    return pickle.loads(data)
+
+
+_LARGE = 2**20
 
 
 def _to_wire(v):
@@ -47,9 +61,10 @@ def _from_wire(v):
     if kind == "t":
         if x.flags.writeable:
             return torch.from_numpy(x)
-        if x.nbytes < 2**20:  # a read-only channel buffer: small arrays are copied (a step may keep them)
+        if x.nbytes < _LARGE:
             return torch.from_numpy(x.copy())
-        with warnings.catch_warnings():  # large ones (draft_probs) are used within the step only: no copy
+        # a read-only buffer: large arrays (draft_probs) are read within the step only, no copy
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(x)
     if kind == "tuple":

@@ -364,8 +364,10 @@ def compiled_graph_roundtrip(path, n=300) -> dict:
         reply = StepOutput(sampled=torch.tensor([5]), expert_load=load)
     as_np = lambda obj: {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)
                                   else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    cases = {"torch StepInput -> torch StepOutput": (step, reply), "numpy fields -> numpy fields": (as_np(step), as_np(reply)),
-             "int -> int": (1, 1)}
+    from dspark_cluster.step import to_wire
+
+    cases = {"StepInput -> StepOutput objects": (step, reply), "numpy field dicts": (as_np(step), as_np(reply)),
+             "to_wire bytes (what Cluster sends)": (to_wire(step), to_wire(reply)), "int -> int": (1, 1)}
     out = {}
     for name, (payload, rep) in cases.items():
         actor = ray.remote(_Echo).options(num_cpus=1).remote(rep)
