@@ -1,5 +1,11 @@
 """Drafter: a Ray actor on its own device, with its own paged KV, proposing draft tokens for the
-sequences assigned to it. A thin shell over the core's proposers."""
+sequences assigned to its group. A thin shell over the core's proposers.
+
+All drafters of a run form one torch.distributed world of their own (separate from the target's
+ShardWorkers), cut into tensor-parallel groups of `speculative.draft_tensor` consecutive ranks.
+A group runs SPMD: each rank gets the same calls and holds one shard of the draft model; TP rank 0
+decides the draft tokens and its proposals are the group's.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +15,74 @@ import torch
 
 
 class Drafter:
-    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1):
+    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, rank: int = 0, world_size: int = 1):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
         from dspark_cluster.config import load_config
+
+        self.cfg = load_config(cfg)
+        self.device_kind = device
+        self.rank, self.world_size = rank, world_size
+        self.state = self.proposer = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
+        from parallel.state import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the drafter world and load this rank's shard of the draft model. Returns report()."""
         from dspark_cluster.model.spec import load_spec
         from dspark_cluster.proposers import make_proposer
+        from parallel.comm import TensorParallelComm
+        from parallel.state import init_parallel
 
-        cfg = load_config(cfg)
-        self.proposer = make_proposer(cfg, load_spec(cfg.model.path, cfg.model.dtype), device)
+        cfg = self.cfg
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        self.device = torch.device("cuda", 0) if self.device_kind == "cuda" else torch.device("cpu")
+        # drafters that fell back to CPU (too few GPUs) talk over gloo whatever the target uses
+        backend = cfg.parallel.backend if self.device.type == "cuda" else "gloo"
+        self.state = init_parallel(self.rank, self.world_size, cfg.speculative.draft_tensor, master_addr, master_port,
+                                   backend, self.device)
+        self.comm = TensorParallelComm(self.state)
+        self.proposer = make_proposer(cfg, load_spec(cfg.model.path, cfg.model.dtype), self.device, self.comm)
+        return self.report()
+
+    def report(self) -> dict:
+        """The process-group facts of this rank and the parameter bytes it holds."""
+        import ray
+        import torch.distributed as dist
+
+        out = {
+            "rank": self.rank,
+            "world_size": dist.get_world_size(),
+            "tp_rank": self.state.tp_rank,
+            "tp_size": self.state.tp_size,
+            "tp_ranks": list(self.state.tp_ranks),
+            "backend": dist.get_backend(),
+            "device": str(self.device),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "param_bytes": 0,
+        }
+        if hasattr(self.proposer, "memory_report"):  # a draft model (n-gram lookup holds none)
+            out.update(self.proposer.memory_report())
+        return out
 
     def ready(self) -> bool:
         return True
 
     def propose(self, requests):
-        return self.proposer.propose(requests)
+        """Every rank of the group runs the same proposal; only TP rank 0's is returned (the
+        others' carry no draft law, and sending them back would only cost time)."""
+        proposals = self.proposer.propose(requests)
+        return proposals if self.state.tp_rank == 0 else None
 
     def prefill(self, requests) -> None:
         self.proposer.prefill(requests)
 
     def free(self, seq_ids) -> None:
         self.proposer.free(seq_ids)
+
+    def comm_stats(self) -> dict:
+        return self.state.stats.snapshot()

@@ -51,12 +51,25 @@ def check_resources(cfg: Config, ray) -> str:
         raise ConfigError(
             f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
         )
+    if speculating(cfg):  # the drafter group too, before any actor starts
+        from .drafting import check_drafter_resources
+
+        check_drafter_resources(cfg, ray)
     return device
+
+
+def speculating(cfg: Config) -> bool:
+    return cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0
+
+
+def num_actors(cfg: Config) -> int:
+    """Devices this config's actors take: the target's world, plus the drafter group's."""
+    return cfg.parallel.world_size + (cfg.speculative.draft_workers if speculating(cfg) else 0)
 
 
 class Cluster:
     def __init__(self, cfg: Config, spec: ModelSpec):
-        ray = ensure_ray(cfg.parallel.world_size)
+        ray = ensure_ray(num_actors(cfg))
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -184,7 +197,7 @@ def ray_get(refs, timeout=None):
 
 def start_router(cfg: Config):
     """Start the Router actor (it starts the shard workers) and wait until it serves."""
-    ray = ensure_ray(cfg.parallel.world_size)
+    ray = ensure_ray(num_actors(cfg))
     from actors.router import Router
 
     check_resources(cfg, ray)  # refuse before any actor starts

@@ -70,6 +70,8 @@ class SpeculativeConfig(_Section):
     draft_model: Optional[str] = None
     num_tokens: int = Field(4, ge=0, le=64)
     draft_workers: int = Field(1, ge=1)
+    # drafter actors per tensor-parallel group: the draft model is split over this many devices
+    draft_tensor: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check(self):
@@ -299,4 +301,55 @@ def check_against_model(cfg: Config) -> list[str]:
         problems.append("parallel.backend: got 'nccl'; NCCL needs CUDA devices, use 'gloo' or 'auto' with device cpu")
     if cfg.speculative.draft_model and not (Path(cfg.speculative.draft_model) / "config.json").is_file():
         problems.append(f"speculative.draft_model: got {cfg.speculative.draft_model!r}; no config.json there")
+    else:
+        problems += check_drafter_topology(cfg)
+    return problems
+
+
+def check_drafter_topology(cfg: Config) -> list[str]:
+    """The drafter group's tensor parallelism: draft_tensor ranks per group must divide the group
+    and the draft model, as parallel.tensor must divide the target."""
+    sp = cfg.speculative
+    dt, n = sp.draft_tensor, sp.draft_workers
+    problems = []
+    if n % dt:
+        problems.append(
+            f"speculative.draft_workers: got {n}, not a multiple of speculative.draft_tensor = {dt} (each "
+            f"drafter tensor-parallel group has draft_tensor workers); use draft_workers: {dt * max(1, n // dt)}"
+        )
+    if dt == 1:
+        return problems
+    if sp.method != "draft_model":
+        return problems + [(
+            f"speculative.draft_tensor: got {dt}, but method {sp.method!r} has no draft model to split; "
+            "use method: draft_model or draft_tensor: 1"
+        )]
+    if cfg.parallel.executor != "ray":
+        problems.append(
+            f"speculative.draft_tensor: got {dt}; a tensor-parallel drafter runs in its own Ray actors, "
+            "set parallel.executor: ray or draft_tensor: 1"
+        )
+    from .errors import CheckpointError
+    from .model.spec import load_spec
+
+    try:
+        spec = load_spec(sp.draft_model, cfg.model.dtype)
+    except CheckpointError as e:
+        return problems + [f"speculative.draft_model: {e}"]
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if heads % dt:
+        problems.append(f"speculative.draft_tensor: got {dt}; it must divide the draft model's {heads} attention heads")
+    elif kv_heads % dt and dt % kv_heads:
+        problems.append(
+            f"speculative.draft_tensor: got {dt}; it must divide, or be a multiple of, the draft model's "
+            f"{kv_heads} KV heads"
+        )
+    split = [  # what a drafter rank holds 1/draft_tensor of (experts are whole on every rank)
+        ("intermediate_size", spec.intermediate_size if any(not m for m in spec.moe_layers) else 0),
+        ("shared-expert intermediate size", spec.shared_intermediate_size),
+        ("vocabulary (the embedding and LM head are split by token)", spec.vocab_size),
+    ]
+    for what, size in split:
+        if size and size % dt:
+            problems.append(f"speculative.draft_tensor: got {dt}; it must divide the draft model's {what}: {size}")
     return problems

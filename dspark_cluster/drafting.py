@@ -1,12 +1,15 @@
 """The engine's view of the drafter: propose for the rows that speculate, and never let a drafter
-failure cost a request. In process (executor local) or a Ray actor group (executor ray)."""
+failure cost a request. In process (executor local) or a Ray actor group (executor ray), whose
+actors form their own process group, tensor-parallel by `speculative.draft_tensor`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 
+from .errors import ConfigError, DSparkError
 from .proposers import DraftRequest, make_proposer
 from .spec_decode import Proposal
 
@@ -45,59 +48,154 @@ class SpecStats:
         }
 
 
-class RayDrafterGroup:
-    """`draft_workers` Drafter actors, each on its own device with its own KV; sequences are
-    split among them by id."""
+def check_drafter_resources(cfg, ray) -> str:
+    """Refuse a drafter group the Ray cluster cannot host beside the target's world (ConfigError,
+    raised before any drafter starts). Returns the drafters' device kind ("cuda" or "cpu")."""
+    sp, world = cfg.speculative, cfg.parallel.world_size
+    n, tp = sp.draft_workers, sp.draft_tensor
+    total = ray.cluster_resources()
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    gpus = total.get("GPU", 0)
+    # drafters get GPUs only when there are enough for the target's world and all of them
+    device = "cuda" if cfg.parallel.device in ("auto", "cuda") and gpus >= world + n else "cpu"
+    target_device = cfg.parallel.device if cfg.parallel.device != "auto" else ("cuda" if gpus >= world else "cpu")
+    key = "GPU" if device == "cuda" else "CPU"
+    beside = world if target_device == device else 0  # the target's workers hold these already
+    have = int(total.get(key, 0))
+    if have < n + beside:
+        raise ConfigError(
+            f"speculative.draft_workers: got {n}; the drafters need {n} {key} devices beside the target's "
+            f"{beside}, but the Ray cluster has {have}; lower speculative.draft_workers or add nodes"
+        )
+    if max((int(node.get(key, 0)) for node in nodes), default=0) < tp:
+        raise ConfigError(
+            f"speculative.draft_tensor: got {tp}; no node has {tp} {key} devices to keep a drafter TP group "
+            "on one node; lower speculative.draft_tensor or add larger nodes"
+        )
+    return device
 
-    def __init__(self, cfg, timeout_s: float = 30.0):
+
+class RayDrafterGroup:
+    """`draft_workers` Drafter actors, each on its own device with its own KV, in a torch.distributed
+    world of their own: `draft_workers / draft_tensor` tensor-parallel groups of `draft_tensor`
+    consecutive ranks, each group kept on one node by a STRICT_PACK placement group. Sequences are
+    split among the groups by id; every rank of a group gets the same calls (SPMD) and the group's
+    proposals are its TP rank 0's."""
+
+    def __init__(self, cfg, timeout_s: float = 30.0, startup_timeout_s: float = 300.0):
         import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.drafter import Drafter
 
+        self._ray, self._remove_pg = ray, remove_placement_group
         self.timeout_s = timeout_s
-        n = cfg.speculative.draft_workers
-        device = "cuda" if cfg.parallel.device in ("auto", "cuda") and ray.cluster_resources().get("GPU", 0) >= (
-            cfg.parallel.world_size + n) else "cpu"
+        n, tp = cfg.speculative.draft_workers, cfg.speculative.draft_tensor
+        self.actors, self.placement_groups, self.groups, self.reports = [], [], [], []
+        device = check_drafter_resources(cfg, ray)
+        bundle = {"GPU": 1} if device == "cuda" else {"CPU": 1}
+        threads = cfg.parallel.threads_per_worker or 1
         cls = ray.remote(Drafter)
         tag = uuid.uuid4().hex[:8]
-        self.actors = [
-            cls.options(name=f"dspark-drafter-{tag}-{i}", num_cpus=1 if device == "cpu" else 0,
-                        num_gpus=1 if device == "cuda" else 0).remote(cfg.to_dict(), device)
-            for i in range(n)
-        ]
-        ray.get([a.ready.remote() for a in self.actors], timeout=300)
+        try:
+            self.placement_groups = [placement_group([dict(bundle)] * tp, strategy="STRICT_PACK")
+                                     for _ in range(n // tp)]
+            placed, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=n // tp, timeout=120)
+            if len(placed) < n // tp:
+                raise ConfigError(
+                    f"speculative.draft_tensor: got {tp}; Ray could not place {n // tp} groups of {tp} {device} "
+                    "drafters, each on one node, beside the target's workers within 120 s; lower "
+                    "speculative.draft_workers / speculative.draft_tensor or add nodes"
+                )
+            for rank in range(n):
+                self.actors.append(cls.options(
+                    name=f"dspark-drafter-{tag}-{rank}",
+                    num_cpus=1 if device == "cpu" else 0,
+                    num_gpus=1 if device == "cuda" else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_groups[rank // tp], placement_group_bundle_index=rank % tp),
+                ).remote(cfg.to_dict(), device, threads, rank, n))
+            self.groups = [self.actors[g * tp : (g + 1) * tp] for g in range(n // tp)]
+            # the drafters' own rendezvous, on drafter rank 0's node (the target's world has another)
+            addr, port = self._gather([self.actors[0].node_address.remote()], startup_timeout_s)[0]
+            self.reports = self._gather([a.setup.remote(addr, port) for a in self.actors], startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _gather(self, refs, timeout_s: float) -> list:
+        """ray.get of every ref, but raising as soon as any one fails: a dead rank would otherwise
+        leave its group's other ranks waiting in a collective until the timeout. A drafter's own
+        error (ConfigError, CheckpointError, ...) is raised as itself."""
+        from ray.exceptions import RayTaskError
+
+        ray = self._ray
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the drafter group did not answer within {timeout_s:.0f} s")
+                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+                ray.get(ready)
+            return ray.get(refs)
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, DSparkError):
+                raise cause from None
+            raise
+
+    def _split(self, items, key):
+        """items of each TP group, by sequence id (every rank of a group gets the same ones)."""
+        parts = [[] for _ in self.groups]
+        for item in items:
+            parts[key(item) % len(self.groups)].append(item)
+        return parts
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        import ray
-
-        parts = [[r for r in requests if r.seq_id % len(self.actors) == i] for i in range(len(self.actors))]
-        refs = [a.propose.remote(p) for a, p in zip(self.actors, parts) if p]
-        results = iter(ray.get(refs, timeout=self.timeout_s))
+        ray = self._ray
+        refs, leaders = [], []
+        for group, part in zip(self.groups, self._split(requests, lambda r: r.seq_id)):
+            if part:
+                arg = ray.put(part)  # serialised once for the whole group
+                group_refs = [a.propose.remote(arg) for a in group]
+                leaders.append((part, group_refs[0]))
+                refs += group_refs
+        # every rank's answer is awaited, not only rank 0's, so that a failed rank is seen at once
+        self._gather(refs, self.timeout_s)
         by_id = {}
-        for p in parts:
-            if p:
-                for r, prop in zip(p, next(results)):
-                    by_id[r.seq_id] = prop
+        for part, ref in leaders:
+            for r, prop in zip(part, ray.get(ref)):
+                by_id[r.seq_id] = prop
         return [by_id[r.seq_id] for r in requests]
 
     def prefill_async(self, requests: list[DraftRequest]) -> None:
         """Fire and forget: each actor handles its calls in order, so the next propose() sees it."""
-        for i, a in enumerate(self.actors):
-            mine = [r for r in requests if r.seq_id % len(self.actors) == i]
-            if mine:
-                a.prefill.remote(mine)
+        for group, part in zip(self.groups, self._split(requests, lambda r: r.seq_id)):
+            if part:
+                arg = self._ray.put(part)
+                for a in group:
+                    a.prefill.remote(arg)
 
     def free(self, seq_ids) -> None:
-        for i, a in enumerate(self.actors):
-            mine = [s for s in seq_ids if s % len(self.actors) == i]
-            if mine:
-                a.free.remote(mine)
+        for group, part in zip(self.groups, self._split(seq_ids, lambda s: s)):
+            if part:
+                for a in group:
+                    a.free.remote(part)
+
+    def comm_stats(self) -> list[dict]:
+        return self._gather([a.comm_stats.remote() for a in self.actors], self.timeout_s)
 
     def shutdown(self) -> None:
-        import ray
-
         for a in self.actors:
-            ray.kill(a, no_restart=True)
+            with contextlib.suppress(Exception):  # already dead
+                self._ray.kill(a, no_restart=True)
+        for pg in self.placement_groups:
+            with contextlib.suppress(Exception):
+                self._remove_pg(pg)
+        self.actors, self.groups, self.placement_groups = [], [], []
 
 
 class Drafter:

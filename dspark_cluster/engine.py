@@ -97,7 +97,11 @@ class LLMEngine:
         if cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0:
             from .drafting import Drafter
 
-            self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
+            try:
+                self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
+            except BaseException:  # a refused or failed drafter group: the started target goes too
+                self.executor.shutdown()
+                raise
         lookahead = cfg.speculative.num_tokens if self.drafter is not None else 0
         self.schedulers = [
             Scheduler(BlockManager(self.num_blocks, sc.block_size), sc.max_num_seqs, sc.max_num_batched_tokens,

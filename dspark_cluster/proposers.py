@@ -5,6 +5,8 @@
 - `DraftModelProposer`: a small HF causal LM sharing the target's vocabulary, with its own paged KV
   cache. Its KV follows the accepted tokens: before each proposal it keeps the longest prefix of
   what it has already computed that still matches the sequence, and recomputes the rest.
+  With a `comm` (a drafter tensor-parallel group) it holds one shard and runs SPMD: every rank of
+  the group gets the same calls, and TP rank 0 decides each draft token for the whole group.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from .errors import ConfigError
 from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
 from .model.attention import build_metadata
-from .model.loader import load_model
+from .model.loader import _shard_dim, load_model
 from .model.spec import ModelSpec, load_spec
 from .sampling import filter_logits
 from .spec_decode import Proposal, _generator
@@ -67,7 +69,9 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, path, target_spec: ModelSpec, dtype: str = "auto", device="cpu", block_size: int = 16,
-                 kv_cache_memory: int = 64 * 2**20, max_batch_tokens: int = 2048):
+                 kv_cache_memory: int = 64 * 2**20, max_batch_tokens: int = 2048, comm=None):
+        """comm: this rank's drafter tensor-parallel group (tp_rank, tp_size, all_reduce, all_gather,
+        broadcast), or None for a whole model in one process."""
         self.spec = load_spec(path, dtype)
         if self.spec.vocab_size != target_spec.vocab_size:
             raise ConfigError(
@@ -75,8 +79,14 @@ class DraftModelProposer:
                 f"{target_spec.vocab_size}; the drafter must share the target's tokenizer"
             )
         self.device = torch.device(device)
-        self.model = load_model(path, self.spec, device=self.device)
+        self.comm = comm
+        self.tp_size = comm.tp_size if comm is not None else 1
+        # Only TP rank 0 samples; the other ranks take its tokens (see propose).
+        self.decides = comm is None or comm.tp_rank == 0
+        self.model = load_model(path, self.spec, comm, device=self.device)
         self.block_size = block_size
+        # Every rank of a TP group holds KV of the same shape, so each plans the same number of
+        # blocks and its block manager makes the same choices for the same calls.
         num_blocks = plan_num_blocks(self.model, block_size, kv_cache_memory)
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
@@ -87,6 +97,20 @@ class DraftModelProposer:
         for sid in seq_ids:
             self.state.pop(sid, None)
             self.blocks.free(sid)
+
+    def memory_report(self) -> dict:
+        """Parameter bytes this rank holds: split ones (column / row / vocabulary-parallel layers,
+        1/tp each) and replicated ones (norms, experts, ...), and what it read from the checkpoint."""
+        split = replicated = 0
+        for name, p in self.model.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if _shard_dim(self.model, name) is None:
+                replicated += nbytes
+            else:
+                split += nbytes
+        return {"param_bytes": split + replicated, "split_param_bytes": split,
+                "replicated_param_bytes": replicated, "bytes_read": self.model.bytes_read,
+                "kv_blocks": self.blocks.num_blocks}
 
     def _forward(self, chunks: list[tuple[int, list[int], int]]):
         """chunks: (seq_id, new tokens, tokens already cached) -> logits of each chunk's last token."""
@@ -148,18 +172,29 @@ class DraftModelProposer:
         drafts = {r.seq_id: [] for r in active}
         probs = {r.seq_id: [] for r in active}
         for step in range(max(r.k for r in active)):
-            temp = torch.tensor([r.temperature for r in active])
-            law = filter_logits(logits, temp, torch.tensor([r.top_k for r in active]),
-                                torch.tensor([r.top_p for r in active])).softmax(-1)
-            noise = torch.empty_like(law).exponential_()
-            for i, r in enumerate(active):
-                if r.seed >= 0:
-                    g = _generator(r.seed, r.position + step, 3, law.device)
-                    noise[i] = torch.empty(law.shape[1], device=law.device).exponential_(generator=g)
-            tok = torch.where(temp.to(law.device) == 0, logits.argmax(-1), (law / noise).argmax(-1)).tolist()
+            if self.decides:
+                temp = torch.tensor([r.temperature for r in active])
+                law = filter_logits(logits, temp, torch.tensor([r.top_k for r in active]),
+                                    torch.tensor([r.top_p for r in active])).softmax(-1)
+                noise = torch.empty_like(law).exponential_()
+                for i, r in enumerate(active):
+                    if r.seed >= 0:
+                        g = _generator(r.seed, r.position + step, 3, law.device)
+                        noise[i] = torch.empty(law.shape[1], device=law.device).exponential_(generator=g)
+                tok = torch.where(temp.to(law.device) == 0, logits.argmax(-1), (law / noise).argmax(-1))
+                for i, r in enumerate(active):
+                    probs[r.seq_id].append(law[i])
+            else:
+                tok = torch.empty(len(active), dtype=torch.long)
+            if self.tp_size > 1:
+                # Unseeded noise comes from each process's own global RNG, and nothing promises that
+                # all-reduced logits agree to the last bit on every rank; yet the next forward must
+                # feed the same tokens on every rank (its all-reduces mix them), so rank 0's choice
+                # is the group's.
+                tok = self.comm.broadcast(tok)
+            tok = tok.tolist()
             for i, r in enumerate(active):
                 drafts[r.seq_id].append(tok[i])
-                probs[r.seq_id].append(law[i])
             still = [r for r in active if len(drafts[r.seq_id]) < r.k]
             if not still:
                 break
@@ -169,17 +204,20 @@ class DraftModelProposer:
                 self.state[r.seq_id].fed.append(drafts[r.seq_id][-1])
             active = still
         for sid in drafts:
-            out[sid] = Proposal(drafts[sid], torch.stack(probs[sid]).cpu())
+            # the other TP ranks have the same tokens but not their law: only rank 0's proposals count
+            out[sid] = Proposal(drafts[sid], torch.stack(probs[sid]).cpu() if self.decides else None)
         return [out[r.seq_id] for r in requests]
 
 
-def make_proposer(cfg, target_spec: ModelSpec, device="cpu"):
-    """The proposer the config asks for, or None when speculation is off."""
+def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
+    """The proposer the config asks for, or None when speculation is off. comm: the drafter
+    tensor-parallel group this process belongs to (a draft model then loads only its shard)."""
     sp = cfg.speculative
     if sp.method == "none" or sp.num_tokens == 0:
         return None
     if sp.method == "ngram":
         return NgramProposer(target_spec.vocab_size)
     if sp.method == "draft_model":
-        return DraftModelProposer(sp.draft_model, target_spec, cfg.model.dtype, device, cfg.scheduler.block_size)
+        return DraftModelProposer(sp.draft_model, target_spec, cfg.model.dtype, device, cfg.scheduler.block_size,
+                                  comm=comm)
     raise ConfigError(f"speculative.method: {sp.method!r} is not available yet; use ngram or draft_model")

@@ -32,3 +32,17 @@ class TensorParallelComm:
         self.state.stats.add("all_gather", x.numel() * x.element_size() * (self.tp_size - 1))
         dist.all_gather(parts, x, group=self.state.tp_group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
+        """TP rank `src_tp_rank`'s `x` on every rank of the group. Every rank passes a tensor of the
+        same shape and dtype (the others' values are ignored); the result is on this rank's device.
+        The drafter uses it to make the tokens its TP rank 0 sampled the tokens of the whole group."""
+        if self.tp_size == 1:
+            return x
+        x = x.to(self.state.device).contiguous()  # NCCL needs device tensors
+        src = self.state.tp_ranks[src_tp_rank]
+        # the source sends the payload to each other rank (a flat broadcast); the others send nothing
+        sent = x.numel() * x.element_size() * (self.tp_size - 1) if self.tp_rank == src_tp_rank else 0
+        self.state.stats.add("broadcast", sent)
+        dist.broadcast(x, src=src, group=self.state.tp_group)
+        return x

@@ -1,5 +1,8 @@
-"""Process groups for one target world: world = data x tensor; TP groups of consecutive ranks;
-one EP group over the whole world. NCCL on CUDA devices, gloo on CPU (backend `auto`)."""
+"""Process groups for one world: world = data x tensor; TP groups of consecutive ranks; one EP
+group over the whole world. NCCL on CUDA devices, gloo on CPU (backend `auto`).
+
+The target's ShardWorkers form one such world; the drafter group's actors form another of their
+own (separate processes, their own rendezvous), with TP groups of `speculative.draft_tensor`."""
 
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ def node_ip() -> str:
 class CommStats:
     """Bytes each rank sends per kind of collective (payload, not protocol overhead)."""
 
-    bytes: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0})
-    calls: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0})
+    bytes: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "broadcast": 0})
+    calls: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "broadcast": 0})
 
     def add(self, kind: str, nbytes: int):
         self.bytes[kind] += int(nbytes)
@@ -61,7 +64,8 @@ class ParallelState:
 
 def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, master_port: int,
                   backend: str, device: torch.device, timeout_s: float = 300.0) -> ParallelState:
-    """Join the target world and build its TP and EP groups (collective: every rank calls this)."""
+    """Join a world (the target's, or the drafter group's own) and build its TP and EP groups
+    (collective: every rank of that world calls this with the same address, port and sizes)."""
     from datetime import timedelta
 
     backend = resolve_backend(backend, device)

@@ -14,9 +14,9 @@ from conftest import random_prompts
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def spec_config(method, draft=None, k=4, **parallel):
+def spec_config(method, draft=None, k=4, speculative=None, **parallel):
     cfg = {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
-           "speculative": {"method": method, "num_tokens": k}}
+           "speculative": {"method": method, "num_tokens": k, **(speculative or {})}}
     if draft is not None:
         cfg["speculative"]["draft_model"] = str(draft)
     return cfg
@@ -152,23 +152,196 @@ def test_greedy_identical_through_ray_with_drafter_actors(tensor, checkpoint, pr
             llm.shutdown()
 
 
-def test_killing_the_drafter_mid_run_loses_nothing(checkpoint, ray_cluster):
+def drafter_names() -> list[str]:
+    """Live drafter actors, by name (from the GCS: no dashboard needed)."""
     import ray
-    from ray.util.state import list_actors
+
+    return sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+
+
+@pytest.mark.parametrize("draft_tensor", [1, 2])
+def test_killing_the_drafter_mid_run_loses_nothing(draft_tensor, checkpoint, ray_cluster):
+    """draft_tensor 1: every drafter dies. draft_tensor 2: one rank of the TP group dies while its
+    partner may be waiting for it in a collective; the group is dropped at once, not at the timeout."""
+    import ray
 
     target = checkpoint("qwen2_moe")
     prompts = random_prompts([6, 11, 4, 9, 14, 7, 5, 12], seed=42)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
-    llm = LLM(target, config=spec_config("draft_model", checkpoint("llama"), executor="ray"))
+    llm = LLM(target, config=spec_config("draft_model", checkpoint("llama"), executor="ray",
+                                         speculative={"draft_tensor": draft_tensor, "draft_workers": draft_tensor}))
     try:
         ref = llm.router.generate.remote(prompts, [params] * len(prompts))
-        time.sleep(1.0)
-        drafters = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "Drafter"]
-        assert drafters
-        for a in drafters:
-            ray.kill(ray.get_actor(a.name), no_restart=True)
+        deadline = time.monotonic() + 60
+        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        drafters = drafter_names()
+        assert len(drafters) == draft_tensor
+        victims = drafters if draft_tensor == 1 else [a for a in drafters if a.endswith("-1")]  # TP rank 1
+        assert victims
+        t0 = time.monotonic()
+        for name in victims:
+            ray.kill(ray.get_actor(name), no_restart=True)
         outs = ray.get(ref, timeout=300)
         assert [o.token_ids for o in outs] == base
+        stats = ray.get(llm.router.stats.remote())
+        assert stats["speculative"]["drafter_failures"] == 1 and not stats["speculation_enabled"]
+        assert time.monotonic() - t0 < 30  # the drafter's timeout: the failure was seen, not waited out
+    finally:
+        llm.shutdown()
+
+
+# ---- a tensor-parallel drafter group (speculative.draft_tensor) ------------------------------------
+
+BAD_DRAFT_TP = [
+    ({"draft_tensor": 2, "draft_workers": 3}, "speculative.draft_workers: got 3"),
+    ({"draft_tensor": 3, "draft_workers": 3},
+     "speculative.draft_tensor: got 3; it must divide the draft model's 4 attention heads"),
+    ({"draft_tensor": 0}, "speculative.draft_tensor: got 0"),
+    ({"draft_tensor": 2, "draft_workers": 2, "method": "ngram"}, "speculative.draft_tensor: got 2, but method 'ngram'"),
+    ({"draft_tensor": 2, "draft_workers": 2, "executor": "local"}, "set parallel.executor: ray"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_DRAFT_TP,
+                         ids=["workers_not_a_multiple", "heads_not_divisible", "zero", "ngram", "local_executor"])
+def test_bad_draft_tensor_is_refused_naming_the_key(override, message, checkpoint):
+    from dspark_cluster import ConfigError, load_config
+
+    override = dict(override)
+    executor = override.pop("executor", "ray")
+    cfg = spec_config(override.pop("method", "draft_model"), checkpoint("llama"), speculative=override,
+                      executor=executor)
+    cfg["model"] = {"path": str(checkpoint("qwen3_moe"))}
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert message in str(e.value)
+
+
+class FakeRay:
+    """What check_drafter_resources asks of Ray: the cluster's totals and its nodes."""
+
+    def __init__(self, nodes):
+        self._nodes = nodes
+
+    def cluster_resources(self):
+        keys = {k for n in self._nodes for k in n}
+        return {k: float(sum(n.get(k, 0) for n in self._nodes)) for k in keys}
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": n} for n in self._nodes]
+
+
+def test_drafter_resources_are_checked_beside_the_target(checkpoint):
+    from dspark_cluster import ConfigError, load_config
+    from dspark_cluster.drafting import check_drafter_resources
+
+    def cfg(draft_workers, draft_tensor, **parallel):
+        c = spec_config("draft_model", checkpoint("llama"), executor="ray", **parallel,
+                        speculative={"draft_workers": draft_workers, "draft_tensor": draft_tensor})
+        return load_config({**c, "model": {"path": str(checkpoint("qwen3_moe"))}})
+
+    two_by_four = FakeRay([{"CPU": 4}, {"CPU": 4}])
+    assert check_drafter_resources(cfg(4, 2, tensor=2, data=2), two_by_four) == "cpu"  # 4 + 4 CPUs
+    with pytest.raises(ConfigError, match="speculative.draft_workers: got 6; .* beside the target's 4, .* has 8"):
+        check_drafter_resources(cfg(6, 2, tensor=2, data=2), two_by_four)
+    with pytest.raises(ConfigError, match="speculative.draft_tensor: got 4; no node has 4 CPU"):
+        check_drafter_resources(cfg(4, 4), FakeRay([{"CPU": 3}] * 3))
+    gpus = FakeRay([{"CPU": 8, "GPU": 4}])
+    assert check_drafter_resources(cfg(2, 2, tensor=2), gpus) == "cuda"
+    assert check_drafter_resources(cfg(4, 2, tensor=2), gpus) == "cpu"  # GPUs only for the target: CPU drafters
+
+
+def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):
+    """Two TP groups of two ranks in one drafter world: process-group facts, half of every split
+    weight per rank, proposals equal to the whole model's, and identical tokens on both ranks of a
+    group even when their global RNGs differ."""
+    import ray
+
+    from dspark_cluster import ConfigError, load_config
+    from dspark_cluster.drafting import RayDrafterGroup
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.proposers import DraftModelProposer, DraftRequest
+
+    target, draft = checkpoint("qwen3_moe"), checkpoint("llama")
+
+    def cfg(workers, tensor):
+        c = spec_config("draft_model", draft, executor="ray",
+                        speculative={"draft_workers": workers, "draft_tensor": tensor})
+        return load_config({**c, "model": {"path": str(target)}})
+
+    before = drafter_names()
+    with pytest.raises(ConfigError, match="speculative.draft_workers: got 12"):  # 12 + 1 > 8 CPUs
+        RayDrafterGroup(cfg(12, 4))
+    assert drafter_names() == before  # refused before any drafter started
+    whole = DraftModelProposer(draft, load_spec(target), block_size=4)  # the draft_tensor = 1 drafter
+    full = whole.memory_report()
+    group = RayDrafterGroup(cfg(4, 2))
+    try:
+        reports = group.reports
+        assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+        for r in reports:
+            assert (r["world_size"], r["tp_size"], r["tp_rank"], r["backend"]) == (4, 2, r["rank"] % 2, "gloo")
+            assert r["tp_ranks"] == [r["rank"] // 2 * 2, r["rank"] // 2 * 2 + 1]
+            # really split: the replicated part whole, half of each split tensor, and read no more
+            assert r["replicated_param_bytes"] == full["replicated_param_bytes"] > 0
+            assert r["split_param_bytes"] * 2 == full["split_param_bytes"]
+            assert r["param_bytes"] == r["bytes_read"] < 0.6 * full["param_bytes"]
+        assert reports[0]["node_id"] == reports[1]["node_id"] and reports[2]["node_id"] == reports[3]["node_id"]
+
+        prompts = random_prompts([5, 17, 9, 12], seed=43)
+        reqs = [DraftRequest(i, p, 4) for i, p in enumerate(prompts)]  # greedy; ids 0..3 cover both groups
+        reqs += [DraftRequest(10 + i, p, 3, temperature=1.0, seed=7 + i) for i, p in enumerate(prompts)]
+        got, want = group.propose(reqs), whole.propose(reqs)
+        for g, w in zip(got, want):
+            assert g.tokens == w.tokens and len(g.tokens) in (3, 4)
+            torch.testing.assert_close(g.probs, w.probs, atol=1e-5, rtol=0)
+
+        # unseeded sampling draws from each process's global RNG (fresh processes start from the
+        # same default seed): give every rank its own, then check that both ranks of each group fed
+        # the same tokens, rank 0's, into their KV
+        ray.get([a.__ray_call__.remote(lambda self, s: torch.manual_seed(s), 1000 + i)
+                 for i, a in enumerate(group.actors)])
+        hot = [DraftRequest(20 + i, p, 4, temperature=1.5) for i, p in enumerate(prompts)]
+        proposals = group.propose(hot)
+        fed = ray.get([a.__ray_call__.remote(lambda self: {s: st.fed for s, st in self.proposer.state.items()})
+                       for a in group.actors])
+        for r, prop in zip(hot, proposals):
+            lead = 2 * (r.seq_id % 2)  # rank 0 of the sequence's group
+            assert fed[lead][r.seq_id] == r.token_ids + prop.tokens[:-1]  # the last draft is not fed yet
+            assert fed[lead + 1][r.seq_id] == fed[lead][r.seq_id]
+        stats = group.comm_stats()
+        assert stats[0]["calls"]["broadcast"] == stats[1]["calls"]["broadcast"] > 0
+        assert stats[0]["bytes"]["broadcast"] > 0 == stats[1]["bytes"]["broadcast"]
+    finally:
+        pgs = list(group.placement_groups)
+        group.shutdown()
+    deadline = time.monotonic() + 30
+    while drafter_names() != before and time.monotonic() < deadline:
+        time.sleep(0.2)  # actors die asynchronously
+    assert drafter_names() == before
+    assert all(ray.util.placement_group_table(pg)["state"] == "REMOVED" for pg in pgs)
+
+
+def test_greedy_identical_with_a_tensor_parallel_drafter(checkpoint, prompts, ray_cluster):
+    """draft_tensor 2 (target tensor 1), the target drafting for itself (MLA + MoE, split over the
+    drafter's 2 ranks): the same outputs as without speculation, every draft accepted, and the same
+    per-request counts as the whole draft model in process (draft_tensor 1)."""
+    import ray
+
+    target = checkpoint("deepseek_v3")
+    base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
+    whole = LLM(target, config=spec_config("draft_model", target)).generate(prompts, GREEDY)
+    llm = LLM(target, config=spec_config("draft_model", target, executor="ray",
+                                         speculative={"draft_tensor": 2, "draft_workers": 2}))
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == base
+        for key in ("num_draft_tokens", "num_accepted_tokens"):
+            assert [o.metrics[key] for o in outs] == [o.metrics[key] for o in whole]
+        assert all(o.metrics["num_accepted_tokens"] == o.metrics["num_draft_tokens"] > 0 for o in outs)
+        assert ray.get(llm.router.stats.remote())["speculative"]["drafter_failures"] == 0
     finally:
         llm.shutdown()
