@@ -129,20 +129,22 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
             drafts.append(s.proposal.tokens if s.proposal is not None else [])
             draft_probs.append(s.proposal.probs if s.proposal is not None else None)
     width = max((len(t) for t in tables), default=1)
-    bt = torch.zeros(len(tables), width, dtype=torch.long)
+    bt = np.zeros((len(tables), width), dtype=np.int64)  # numpy: ~1 us per row against ~5 for torch.tensor
     for b, t in enumerate(tables):
-        bt[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        bt[b, : len(t)] = t
+    long = lambda x: torch.from_numpy(np.array(x, dtype=np.int64))  # noqa: E731
+    real = lambda x: torch.from_numpy(np.array(x, dtype=np.float32))  # noqa: E731
     return StepInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        query_lens=torch.tensor(query_lens, dtype=torch.long),
-        context_lens=torch.tensor(context_lens, dtype=torch.long),
-        block_tables=bt,
-        sample_rows=torch.tensor(rows, dtype=torch.long),
-        temperature=torch.tensor(temps, dtype=torch.float32),
-        top_k=torch.tensor(ks, dtype=torch.long),
-        top_p=torch.tensor(ps, dtype=torch.float32),
-        seeds=torch.tensor(seeds, dtype=torch.long),
-        positions_out=torch.tensor(pos_out, dtype=torch.long),
+        input_ids=long(input_ids),
+        query_lens=long(query_lens),
+        context_lens=long(context_lens),
+        block_tables=torch.from_numpy(bt),
+        sample_rows=long(rows),
+        temperature=real(temps),
+        top_k=long(ks),
+        top_p=real(ps),
+        seeds=long(seeds),
+        positions_out=long(pos_out),
         block_size=block_size,
         **_draft_fields(drafts, draft_probs),
     )
