@@ -123,6 +123,7 @@ def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 3
     prompt alone, and both in one step (what the scheduler does when a request arrives while others
     decode). Also counts the attention query rows the padded layout computes."""
     from dspark_cluster.kv_cache import BlockManager, allocate_kv_cache
+    from dspark_cluster.model.attention import build_metadata
     from dspark_cluster.model.loader import load_model
     from dspark_cluster.sampling import SamplingParams
     from dspark_cluster.scheduler import ScheduledSeq
@@ -157,8 +158,9 @@ def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 3
             t0 = time.perf_counter()
             execute_step(model, step)
             ts.append(time.perf_counter() - t0)
-        max_q = max(x.num_new_tokens for x in sched)
-        out[name] = {"ms": statistics.median(ts) * 1e3, "padded_query_rows": len(sched) * max_q,
+        _, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, block)
+        out[name] = {"ms": statistics.median(ts) * 1e3,
+                     "padded_query_rows": sum(b.num_seqs * b.max_q for b in meta.batches),
                      "real_query_rows": sum(x.num_new_tokens for x in sched)}
     print(f"mixed-step probe: {out}", flush=True)
     return out
@@ -264,7 +266,7 @@ def main():
                   f"{r['mean_batch_size']:.1f} | {r['decode_step_ms']:.1f} ({r['decode_step_batch']:.0f}) | "
                   f"{r['mixed_step_ms']:.1f}, {r['mixed_steps']}, {r['mixed_time_share']:.0%} |")
     mp_ = res["mixed_probe"]
-    print("\nOne step, in process (22 decodes at context 300; one 256-token prompt): per-sequence query rows padded to the longest")
+    print("\nOne step, in process (22 decodes at context 300; one 256-token prompt): query rows padded to the longest of their attention batch (decodes / longer queries)")
     print("| step | ms | query rows computed (padded) | query rows needed |")
     print("|---|---|---|---|")
     for name, r in mp_.items():
