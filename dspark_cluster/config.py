@@ -321,8 +321,8 @@ def check_drafter_topology(cfg: Config) -> list[str]:
         return problems
     if sp.method != "draft_model":
         return problems + [(
-            f"speculative.draft_tensor: got {dt}, but method {sp.method!r} has no draft model to split; "
-            "use method: draft_model or draft_tensor: 1"
+            f"speculative.draft_tensor: got {dt}; only method 'draft_model' has a tensor-parallel drafter "
+            f"(got method {sp.method!r}); use method: draft_model or draft_tensor: 1"
         )]
     if cfg.parallel.executor != "ray":
         problems.append(

@@ -60,7 +60,8 @@ def check_drafter_resources(cfg, ray) -> str:
     device = "cuda" if cfg.parallel.device in ("auto", "cuda") and gpus >= world + n else "cpu"
     target_device = cfg.parallel.device if cfg.parallel.device != "auto" else ("cuda" if gpus >= world else "cpu")
     key = "GPU" if device == "cuda" else "CPU"
-    beside = world if target_device == device else 0  # the target's workers hold these already
+    # the target's workers hold these already (each also takes a CPU when it has a GPU)
+    beside = world if target_device == device or key == "CPU" else 0
     have = int(total.get(key, 0))
     if have < n + beside:
         raise ConfigError(
@@ -99,14 +100,16 @@ class RayDrafterGroup:
         cls = ray.remote(Drafter)
         tag = uuid.uuid4().hex[:8]
         try:
-            self.placement_groups = [placement_group([dict(bundle)] * tp, strategy="STRICT_PACK")
-                                     for _ in range(n // tp)]
+            for _ in range(n // tp):  # one at a time, so that shutdown() removes every one made
+                self.placement_groups.append(placement_group([dict(bundle)] * tp, strategy="STRICT_PACK"))
             placed, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=n // tp, timeout=120)
             if len(placed) < n // tp:
+                key = "speculative.draft_tensor" if tp > 1 else "speculative.draft_workers"
                 raise ConfigError(
-                    f"speculative.draft_tensor: got {tp}; Ray could not place {n // tp} groups of {tp} {device} "
-                    "drafters, each on one node, beside the target's workers within 120 s; lower "
-                    "speculative.draft_workers / speculative.draft_tensor or add nodes"
+                    f"{key}: got {tp if tp > 1 else n}; Ray could not place {n // tp} group(s) of {tp} {device} "
+                    "drafter(s), each group on one node, beside the target's workers within 120 s (too few free "
+                    "devices, or other jobs hold them); lower speculative.draft_workers / speculative.draft_tensor "
+                    "or add nodes"
                 )
             for rank in range(n):
                 self.actors.append(cls.options(

@@ -216,6 +216,7 @@ class LLMEngine:
                 extra.commit_placement, extra.placement_update = inputs[0].commit_placement, inputs[0].placement_update
         t_verify = time.perf_counter()
         outs = self.executor.execute(inputs if self.num_groups > 1 else inputs[0])
+        execute_time = time.perf_counter() - t_verify
         outs = outs if isinstance(outs, list) else [outs]
         if self.balancer is not None:
             self.balancer.observe(sum(o.expert_load for o in outs))
@@ -241,7 +242,7 @@ class LLMEngine:
             {
                 "time": time.monotonic(),
                 "step_time_s": time.perf_counter() - t0,
-                "execute_s": verify_time,  # the executor's round (in process: the forward itself)
+                "execute_s": execute_time,  # the executor's round (in process: the forward itself)
                 "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
                 "num_seqs": sum(len(sc.scheduled) for sc in scheds),
                 "num_tokens": sum(sc.num_tokens for sc in scheds),

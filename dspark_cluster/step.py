@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 import time
-import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -45,9 +44,6 @@ def from_wire(data: bytes):
     return pickle.loads(data)
 
 
-_LARGE = 2**20
-
-
 def _to_wire(v):
     if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype != torch.bfloat16:
         return ("t", v.detach().contiguous().numpy())  # bf16 has no numpy dtype: pickled as a tensor
@@ -58,15 +54,8 @@ def _to_wire(v):
 
 def _from_wire(v):
     kind, x = v
-    if kind == "t":
-        if x.flags.writeable:
-            return torch.from_numpy(x)
-        if x.nbytes < _LARGE:
-            return torch.from_numpy(x.copy())
-        # a read-only buffer: large arrays (draft_probs) are read within the step only, no copy
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(x)
+    if kind == "t":  # arrays unpickled from bytes own writable memory; a read-only one is copied
+        return torch.from_numpy(x if x.flags.writeable else x.copy())
     if kind == "tuple":
         return tuple(_from_wire(y) for y in x)
     return x

@@ -19,20 +19,26 @@ def rel_err(ours, ref):
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_logits_match_transformers_prefill_and_cached_decode(arch, checkpoint):
-    path = checkpoint(arch)
-    spec = load_spec(path, "float32")
-    model = load_model(path, spec)
-    block_size, num_blocks = 4, 64
+def paged_model(path, seq_lens, block_size, num_blocks=64):
+    """The checkpoint's model with a paged KV pool, and block tables [len(seq_lens), max blocks]
+    (zero-padded) holding seq_lens[i] tokens for sequence i."""
+    model = load_model(path, load_spec(path, "float32"))
     allocate_kv_cache(model, num_blocks, block_size, "cpu")
     blocks = BlockManager(num_blocks, block_size)
+    for i, n in enumerate(seq_lens):
+        blocks.allocate(i, n)
+    width = max(len(t) for t in blocks.block_tables.values())
+    return model, torch.tensor([blocks.block_tables[i] + [0] * (width - len(blocks.block_tables[i]))
+                                for i in range(len(seq_lens))])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_match_transformers_prefill_and_cached_decode(arch, checkpoint):
+    block_size = 4
     prompts = random_prompts(LENGTHS, seed=1)
     feed = random_prompts([DECODE_STEPS] * len(LENGTHS), seed=2)
-    for i, p in enumerate(prompts):
-        blocks.allocate(i, len(p) + DECODE_STEPS)
-    width = max(len(t) for t in blocks.block_tables.values())
-    tables = torch.tensor([blocks.block_tables[i] + [0] * (width - len(blocks.block_tables[i])) for i in range(len(prompts))])
+    path = checkpoint(arch)
+    model, tables = paged_model(path, [len(p) + DECODE_STEPS for p in prompts], block_size)
     hf = hf_model(path)
     with torch.no_grad():
         refs = [hf(torch.tensor([p + f])).logits[0] for p, f in zip(prompts, feed)]
@@ -71,18 +77,11 @@ def test_greedy_generation_matches_transformers(arch, checkpoint):
 def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, checkpoint):
     """Decodes and prefill chunks in the same step are attended as separate batches; every row's
     logits still match the reference on the whole sequence."""
-    path = checkpoint(arch)
-    spec = load_spec(path, "float32")
-    model = load_model(path, spec)
-    block_size, num_blocks = 4, 64
-    allocate_kv_cache(model, num_blocks, block_size, "cpu")
-    blocks = BlockManager(num_blocks, block_size)
+    block_size = 4
     seqs = random_prompts([14, 17, 9, 11], seed=4)
     cached = [13, 6, 0, 10]  # tokens already in the KV cache before the mixed step
-    for i, s in enumerate(seqs):
-        blocks.allocate(i, len(s))
-    width = max(len(t) for t in blocks.block_tables.values())
-    tables = torch.tensor([blocks.block_tables[i] + [0] * (width - len(blocks.block_tables[i])) for i in range(len(seqs))])
+    path = checkpoint(arch)
+    model, tables = paged_model(path, [len(s) for s in seqs], block_size)
     hf = hf_model(path)
     with torch.no_grad():
         first = [i for i, c in enumerate(cached) if c]

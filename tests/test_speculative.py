@@ -200,7 +200,7 @@ BAD_DRAFT_TP = [
     ({"draft_tensor": 3, "draft_workers": 3},
      "speculative.draft_tensor: got 3; it must divide the draft model's 4 attention heads"),
     ({"draft_tensor": 0}, "speculative.draft_tensor: got 0"),
-    ({"draft_tensor": 2, "draft_workers": 2, "method": "ngram"}, "speculative.draft_tensor: got 2, but method 'ngram'"),
+    ({"draft_tensor": 2, "draft_workers": 2, "method": "ngram"}, "speculative.draft_tensor: got 2; only method 'draft_model' has a tensor-parallel drafter (got method 'ngram')"),
     ({"draft_tensor": 2, "draft_workers": 2, "executor": "local"}, "set parallel.executor: ray"),
 ]
 
@@ -252,6 +252,8 @@ def test_drafter_resources_are_checked_beside_the_target(checkpoint):
     gpus = FakeRay([{"CPU": 8, "GPU": 4}])
     assert check_drafter_resources(cfg(2, 2, tensor=2), gpus) == "cuda"
     assert check_drafter_resources(cfg(4, 2, tensor=2), gpus) == "cpu"  # GPUs only for the target: CPU drafters
+    with pytest.raises(ConfigError, match="beside the target's 2, .* has 5"):  # GPU workers take a CPU each too
+        check_drafter_resources(cfg(4, 2, tensor=2), FakeRay([{"CPU": 5, "GPU": 4}]))
 
 
 def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):

@@ -237,39 +237,37 @@ def run_experts(xs, slots, w13, w2):
         padded[slot_sorted, row] = xs_sorted
         gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
         ys_sorted = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[slot_sorted, row]
-    elif _grouped_mm_ok(xs, w13):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = torch._grouped_mm(xs_sorted, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys_sorted = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
     else:
-        ys_sorted = torch.empty_like(xs_sorted)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
-                ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
-                start += n
+        ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2)
+        if ys_sorted is None:  # no grouped matmul for this layout: a loop of two matmuls per slot
+            ys_sorted = torch.empty_like(xs_sorted)
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
+                    ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
+                    start += n
     ys = torch.empty_like(ys_sorted)
     ys[order] = ys_sorted
     return ys, counts
 
 
-_GROUPED_MM: dict = {}
+_NO_GROUPED_MM: set = set()
 
 
-def _grouped_mm_ok(xs, w13) -> bool:
-    """Whether torch's grouped matmul runs for this device and dtype (CPU: any dtype; CUDA kernels
-    cover fewer dtypes and architectures). Probed once per (device, dtype) on a tiny input."""
-    key = (xs.device.type, xs.dtype)
-    if key not in _GROUPED_MM:
-        try:
-            a = torch.zeros(2, 16, device=xs.device, dtype=xs.dtype)
-            b = torch.zeros(2, 16, 16, device=xs.device, dtype=xs.dtype)
-            torch._grouped_mm(a, b, offs=torch.tensor([1, 2], device=xs.device, dtype=torch.int32))
-            _GROUPED_MM[key] = True
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _GROUPED_MM[key] = False
-    return _GROUPED_MM[key]
+def _grouped_mm_experts(xs_sorted, counts, w13, w2):
+    """Both expert projections as grouped matmuls, or None where torch has no grouped matmul for
+    this device, dtype and shape (its kernels want 16-byte aligned rows, some CUDA archs none at all)."""
+    key = (xs_sorted.device.type, xs_sorted.dtype, w13.shape[1:], w2.shape[1:])
+    if key in _NO_GROUPED_MM:
+        return None
+    try:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(xs_sorted, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        _NO_GROUPED_MM.add(key)
+        return None
 
 
 class MoE(nn.Module):
