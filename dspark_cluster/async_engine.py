@@ -11,6 +11,7 @@ use it too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections import deque
 import threading
@@ -119,17 +120,16 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    async def stream(self, request_id: str) -> AsyncIterator[StreamPiece]:
+    async def _events(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        """The request's token events until it finishes; an engine error is raised here."""
         q = self._queues[request_id]
         seq = self._seqs[request_id]
-        detok = _Detokenizer(self.tokenizer)
         try:
             while True:
                 ev = await q.get()
                 if isinstance(ev, BaseException):
                     raise DSparkError(f"request {request_id} failed: {ev}") from ev
-                text = detok.delta(seq.output_token_ids, final=ev.finished)
-                yield StreamPiece(request_id, ev.new_token_ids, text, ev.finished, ev.finish_reason)
+                yield ev
                 if ev.finished:
                     return
         finally:
@@ -138,10 +138,20 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self._seqs.pop(request_id, None)
 
-    async def result(self, request_id: str) -> RequestOutput:
+    async def stream(self, request_id: str) -> AsyncIterator[StreamPiece]:
         seq = self._seqs[request_id]
-        async for _ in self.stream(request_id):
-            pass
+        detok = _Detokenizer(self.tokenizer)
+        async with contextlib.aclosing(self._events(request_id)) as events:
+            async for ev in events:
+                text = detok.delta(seq.output_token_ids, final=ev.finished)
+                yield StreamPiece(request_id, ev.new_token_ids, text, ev.finished, ev.finish_reason)
+
+    async def result(self, request_id: str) -> RequestOutput:
+        """Wait for the whole output; the text is decoded once at the end, not per step."""
+        seq = self._seqs[request_id]
+        async with contextlib.aclosing(self._events(request_id)) as events:
+            async for _ in events:
+                pass
         return RequestOutput(
             request_id=request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
