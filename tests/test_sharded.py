@@ -172,3 +172,24 @@ def test_data_parallel_groups_share_the_experts(tensor, data, checkpoint, ray_cl
         assert ray.get(llm.router.stats.remote())["kv_blocks_used"] == 0
     finally:
         llm.shutdown()
+
+
+def test_a_step_past_its_timeout_fails_its_requests_loudly(checkpoint, ray_cluster):
+    """parallel.step_timeout_s bounds one round to the workers: a round that does not come back in
+    time fails every request with an error (never a hang, never a silent loss), and so does the
+    engine's next request."""
+    from dspark_cluster import DSparkError
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(path, config={"parallel": {"executor": "ray", "tensor": 1, "step_timeout_s": 0.001},
+                            "scheduler": {"block_size": 4, "num_kv_blocks": 64}})
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        t0 = time.time()
+        with pytest.raises(DSparkError, match="failed"):
+            llm.generate(random_prompts([60, 60], seed=31), params)
+        assert time.time() - t0 < 30
+        with pytest.raises(DSparkError, match="stopped after an error"):
+            llm.generate(random_prompts([5], seed=32), params)
+    finally:
+        llm.shutdown()
