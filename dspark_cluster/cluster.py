@@ -138,7 +138,13 @@ class Cluster:
     def execute(self, step):
         """One round to every worker. `step`: a StepInput, or one per data-parallel group (each
         worker takes its group's). Returns the driver rank's StepOutput (a list, one per group)."""
-        outs = [from_wire(o) for o in self._get(self._dag.execute(to_wire(step)), timeout=self.cfg.parallel.step_timeout_s)]
+        t0 = time.perf_counter()
+        data = to_wire(step)
+        t1 = time.perf_counter()
+        raw = self._get(self._dag.execute(data), timeout=self.cfg.parallel.step_timeout_s)
+        t2 = time.perf_counter()
+        outs = [from_wire(o) for o in raw]
+        self.last_wire_s = (t1 - t0) + (time.perf_counter() - t2)  # this process's (de)serialization
         tp = self.cfg.parallel.tensor
         drivers = [outs[g * tp] for g in range(self.cfg.parallel.data)]  # each group's TP rank 0 samples
         slot = [o.slot_load for o in outs]

@@ -244,6 +244,7 @@ class LLMEngine:
                 "step_time_s": time.perf_counter() - t0,
                 "execute_s": execute_time,  # the executor's round (in process: the forward itself)
                 "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
+                "wire_s": getattr(self.executor, "last_wire_s", 0.0),  # pickling the round here (ray)
                 "num_seqs": sum(len(sc.scheduled) for sc in scheds),
                 "num_tokens": sum(sc.num_tokens for sc in scheds),
                 "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),

@@ -272,6 +272,7 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
             rows[ex].append({"step_ms": statistics.median(s["step_time_s"] for s in steps) * 1e3,
                              "execute_ms": statistics.median(s["execute_s"] for s in steps) * 1e3,
                              "forward_ms": statistics.median(s["forward_s"] for s in steps) * 1e3,
+                             "wire_ms": statistics.median(s.get("wire_s", 0.0) for s in steps) * 1e3,
                              "period_ms": period * 1e3, "tpot_ms": rep["summary"]["tpot_p50_s"] * 1e3})
             if ex == "ray":
                 time.sleep(1.0)
@@ -632,11 +633,13 @@ def print_tables(res):
         if "breakdown" in o:
             print("Both executors behind the same AsyncEngine (run_experiment, 1 request), decode steps, medians:")
             print("| executor | engine step_time_s (ms) | executor round (ms) | forward on the driver rank (ms) | "
+                  "pickling in the Router (ms) | rest of the round: channel hops + worker pickling (ms) | "
                   "period between steps (ms) | TPOT (ms) |")
-            print("|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|")
             for ex, b in o["breakdown"].items():
-                print(f"| {ex} | {b['step_ms']:.2f} | {b['execute_ms']:.2f} | {b['forward_ms']:.2f} | {b['period_ms']:.2f} | "
-                      f"{b['tpot_ms']:.2f} |")
+                rest = b["execute_ms"] - b["forward_ms"] - b.get("wire_ms", 0.0)
+                print(f"| {ex} | {b['step_ms']:.2f} | {b['execute_ms']:.2f} | {b['forward_ms']:.2f} | "
+                      f"{b.get('wire_ms', 0.0):.2f} | {rest:.2f} | {b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
         if "serialization" in o:
             z = o["serialization"]
             print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} torch tensors) "
