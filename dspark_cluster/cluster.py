@@ -51,20 +51,16 @@ def check_resources(cfg: Config, ray) -> str:
         raise ConfigError(
             f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
         )
-    if speculating(cfg):  # the drafter group too, before any actor starts
+    if cfg.speculative.enabled:  # the drafter group too, before any actor starts
         from .drafting import check_drafter_resources
 
         check_drafter_resources(cfg, ray)
     return device
 
 
-def speculating(cfg: Config) -> bool:
-    return cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0
-
-
 def num_actors(cfg: Config) -> int:
     """Devices this config's actors take: the target's world, plus the drafter group's."""
-    return cfg.parallel.world_size + (cfg.speculative.draft_workers if speculating(cfg) else 0)
+    return cfg.parallel.world_size + (cfg.speculative.draft_workers if cfg.speculative.enabled else 0)
 
 
 class Cluster:

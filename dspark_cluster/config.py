@@ -73,6 +73,11 @@ class SpeculativeConfig(_Section):
     # drafter actors per tensor-parallel group: the draft model is split over this many devices
     draft_tensor: int = Field(1, ge=1)
 
+    @property
+    def enabled(self) -> bool:
+        """A drafter runs: a method is chosen and it may propose tokens."""
+        return self.method != "none" and self.num_tokens > 0
+
     @model_validator(mode="after")
     def _check(self):
         if self.method in ("draft_model", "dspark") and not self.draft_model:

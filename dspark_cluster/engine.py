@@ -94,7 +94,7 @@ class LLMEngine:
         # groups meet in the expert-parallel all-to-all
         self.num_groups = cfg.parallel.data
         self.drafter = None
-        if cfg.speculative.method != "none" and cfg.speculative.num_tokens > 0:
+        if cfg.speculative.enabled:
             from .drafting import Drafter
 
             try:

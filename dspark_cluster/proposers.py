@@ -213,7 +213,7 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
     """The proposer the config asks for, or None when speculation is off. comm: the drafter
     tensor-parallel group this process belongs to (a draft model then loads only its shard)."""
     sp = cfg.speculative
-    if sp.method == "none" or sp.num_tokens == 0:
+    if not sp.enabled:
         return None
     if sp.method == "ngram":
         return NgramProposer(target_spec.vocab_size)
