@@ -281,16 +281,12 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
     return out
 
 
-def serialization_cost(path) -> dict:
-    """Pickle round trip of a batch-1 decode StepInput and its StepOutput, as torch tensors (what the
-    compiled graph's channels pickle today) and as numpy arrays."""
-    import dataclasses
-    import pickle
-
+def decode_step_payloads(path):
+    """A batch-1 decode step's StepInput (128-token context) and a StepOutput as a worker returns it."""
     from dspark_cluster.kv_cache import BlockManager
     from dspark_cluster.scheduler import Scheduler
     from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import build_step_input
+    from dspark_cluster.step import StepOutput, build_step_input
 
     bm = BlockManager(64, 16)
     sc = Scheduler(bm, 4, 2048, 4096)
@@ -299,6 +295,25 @@ def serialization_cost(path) -> dict:
     seq.num_computed_tokens = 128
     seq.token_ids.append(5)
     step = build_step_input(sc.schedule().scheduled, bm.block_tables, 16)
+    spec = load_spec(path, "float32")
+    load = torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long)
+    return step, StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]), expert_load=load)
+
+
+def as_numpy_fields(obj) -> dict:
+    """A dataclass's fields, tensors as numpy arrays."""
+    import dataclasses
+
+    return {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)
+                     else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def serialization_cost(path) -> dict:
+    """Pickle round trip of a batch-1 decode StepInput and its StepOutput (their tensors pickled as
+    numpy by `__getstate__`), against the same fields as a plain dict of numpy arrays."""
+    import pickle
+
+    step, out = decode_step_payloads(path)
 
     def rt(obj, n=200):
         t0 = time.perf_counter()
@@ -309,19 +324,9 @@ def serialization_cost(path) -> dict:
             pickle.loads(b)
         return (t1 - t0) / n * 1e6, (time.perf_counter() - t1) / n * 1e6, len(b)
 
-    fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
-    as_np = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
-    n_tensors = sum(isinstance(v, torch.Tensor) for v in fields.values())
-    spec = load_spec(path, "float32")
-    from dspark_cluster.step import StepOutput
-
-    try:
-        out = StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]),
-                         expert_load=torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long))
-    except TypeError:
-        out = StepOutput(sampled=torch.tensor([5]), expert_load=torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long))
-    res = {"step_input_tensors": n_tensors, "step_input_torch_us": rt(step), "step_input_numpy_us": rt(as_np),
-           "step_output_torch_us": rt(out)}
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in vars(step).values())
+    res = {"step_input_tensors": n_tensors, "step_input_torch_us": rt(step),
+           "step_input_numpy_us": rt(as_numpy_fields(step)), "step_output_torch_us": rt(out)}
     print(f"serialization: {res}", flush=True)
     return res
 
@@ -341,36 +346,17 @@ class _Echo:
 
 def compiled_graph_roundtrip(path, n=300) -> dict:
     """Round trip of a Ray compiled graph over one do-nothing actor (as Cluster builds it), with the
-    payloads a batch-1 decode step carries: StepInput / StepOutput of torch tensors (as today), the
-    same fields as numpy arrays, and a bare int."""
-    import dataclasses
-
+    payloads a batch-1 decode step carries: the StepInput / StepOutput objects, the same fields as
+    numpy dicts, the pickled bytes Cluster sends, a bare int, and the bytes again with a worker that
+    keeps its core busy for 4 ms per call (reported minus the 4 ms)."""
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
-    from dspark_cluster.kv_cache import BlockManager
-    from dspark_cluster.scheduler import Scheduler
-    from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import StepOutput, build_step_input
-
-    bm = BlockManager(64, 16)
-    sc = Scheduler(bm, 4, 2048, 4096)
-    sc.add(Sequence("a", list(range(3, 131)), 128, SamplingParams(max_tokens=4, temperature=0)))
-    seq = sc.schedule().scheduled[0].seq
-    seq.num_computed_tokens = 128
-    seq.token_ids.append(5)
-    step = build_step_input(sc.schedule().scheduled, bm.block_tables, 16)
-    spec = load_spec(path, "float32")
-    load = torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long)
-    try:
-        reply = StepOutput(sampled=torch.tensor([[5]]), num_tokens=torch.tensor([1]), expert_load=load)
-    except TypeError:
-        reply = StepOutput(sampled=torch.tensor([5]), expert_load=load)
-    as_np = lambda obj: {f.name: (getattr(obj, f.name).numpy() if isinstance(getattr(obj, f.name), torch.Tensor)
-                                  else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     from dspark_cluster.step import to_wire
 
-    cases = {"StepInput -> StepOutput objects": (step, reply), "numpy field dicts": (as_np(step), as_np(reply)),
+    step, reply = decode_step_payloads(path)
+    cases = {"StepInput -> StepOutput objects": (step, reply),
+             "numpy field dicts": (as_numpy_fields(step), as_numpy_fields(reply)),
              "to_wire bytes (what Cluster sends)": (to_wire(step), to_wire(reply)), "int -> int": (1, 1),
              "to_wire bytes, worker busy 4 ms (minus the 4 ms)": (to_wire(step), to_wire(reply))}
     out = {}
@@ -647,9 +633,9 @@ def print_tables(res):
                       f"{b.get('wire_ms', 0.0):.2f} | {rest:.2f} | {b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
         if "serialization" in o:
             z = o["serialization"]
-            print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} torch tensors) "
+            print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} tensors, pickled as numpy) "
                   f"{z['step_input_torch_us'][0]:.0f} + {z['step_input_torch_us'][1]:.0f} us / {z['step_input_torch_us'][2]} B; "
-                  f"same fields as numpy {z['step_input_numpy_us'][0]:.0f} + {z['step_input_numpy_us'][1]:.0f} us / {z['step_input_numpy_us'][2]} B; "
+                  f"the same fields as a numpy dict {z['step_input_numpy_us'][0]:.0f} + {z['step_input_numpy_us'][1]:.0f} us / {z['step_input_numpy_us'][2]} B; "
                   f"StepOutput {z['step_output_torch_us'][0]:.0f} + {z['step_output_torch_us'][1]:.0f} us / {z['step_output_torch_us'][2]} B")
         if "roundtrip_ms" in o:
             print("compiled graph round trip over a do-nothing actor (ms): " +
