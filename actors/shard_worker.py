@@ -67,6 +67,8 @@ class ShardWorker:
         if cfg.workload.hot_experts:
             self.model.set_study_router_bias(cfg.workload.hot_experts, cfg.workload.hot_bias)
         self.migration, self.migration_version = None, None
+        self._prev_sampled = None
+        self._last_return = None
         return self.memory_report()
 
     def memory_report(self) -> dict:
@@ -96,9 +98,18 @@ class ShardWorker:
 
     def step(self, data: bytes) -> bytes:
         """One round: a pickled StepInput (or one per data-parallel group) in, a pickled StepOutput out."""
+        import time
+
         from dspark_cluster.step import from_wire, to_wire
 
-        return to_wire(self._step(from_wire(data)))
+        t0 = time.perf_counter()
+        out = self._step(from_wire(data))
+        # the worker's time between rounds: Ray's channel write of the last output and read of this input
+        out.between_s = t0 - self._last_return if self._last_return else 0.0
+        out.worker_s = time.perf_counter() - t0  # unpickling + the step; pickling follows
+        data = to_wire(out)
+        self._last_return = time.perf_counter()
+        return data
 
     def _step(self, step_input):
         from dspark_cluster.step import execute_step
@@ -112,7 +123,9 @@ class ShardWorker:
             self.migration = self.migration_version = None
         if step_input.placement_update is not None and self.migration is None:
             self._start_migration(*step_input.placement_update)
-        out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0)
+        out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0,
+                           prev_sampled=self._prev_sampled)
+        self._prev_sampled = out.sampled  # the next step's inputs may be these tokens (async scheduling)
         if self.migration is not None:
             out.migration_ready = self.migration.done()
             out.migration_bytes = self.migration.bytes_sent

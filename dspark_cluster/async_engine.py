@@ -202,6 +202,8 @@ class AsyncEngine:
         return {
             **eng.load(),
             "steps": len(eng.step_stats),
+            "async_scheduling": eng.async_scheduling,
+            "overlapped_steps": sum(1 for s in eng.step_stats if s["overlapped"]),
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,
         }

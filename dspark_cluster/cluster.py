@@ -8,6 +8,7 @@ worker can hold. Each step is one round: the same StepInput goes to every worker
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -78,6 +79,8 @@ class Cluster:
         self.device = device
         bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_groups, self.workers = [], []
+        # for wait(): rounds submitted and not read, recent forward seconds by step size, last read
+        self._in_flight, self._forward_s, self._last_output_at = 0, {}, 0.0
         threads = cfg.parallel.threads_per_worker or 1
         try:
             for g in range(cfg.parallel.data):
@@ -131,16 +134,41 @@ class Cluster:
             dag = MultiOutputNode([w.step.bind(step_input) for w in self.workers])
         self._dag = dag.experimental_compile()
 
-    def execute(self, step):
-        """One round to every worker. `step`: a StepInput, or one per data-parallel group (each
-        worker takes its group's). Returns the driver rank's StepOutput (a list, one per group)."""
+    def submit(self, step):
+        """Start one round to every worker. `step`: a StepInput, or one per data-parallel group
+        (each worker takes its group's). Rounds run in submission order; two can be in flight
+        (async scheduling). Returns a handle for `wait`."""
         t0 = time.perf_counter()
         data = to_wire(step)
+        ref = self._dag.execute(data)
+        self._in_flight += 1
         t1 = time.perf_counter()
-        raw = self._get(self._dag.execute(data), timeout=self.cfg.parallel.step_timeout_s)
-        t2 = time.perf_counter()
+        num_tokens = sum(s.input_ids.numel() for s in (step if isinstance(step, list) else [step]))
+        return ref, t1 - t0, t1, num_tokens, isinstance(step, list)
+
+    def wait(self, handle):
+        """The driver rank's StepOutput of a submitted round (a list, one per group)."""
+        ref, pickle_s, submitted, num_tokens, is_list = handle
+        # steps of one size (steady decoding) take alike times; the least of the last few, so that a
+        # cold first step or a hiccup does not make this process oversleep
+        recent = self._forward_s.get(num_tokens, ())
+        if self._in_flight > 1 and len(recent) >= 2:
+            expected = min(recent)
+            # Ray's compiled-graph read spins, and a spinning reader slows the workers' forward when
+            # cores are scarce (2-core CPU machine: 4.8 against 4.2 ms, BENCHMARKS.md). With another
+            # round queued behind this one the workers do not idle while this process sleeps, so
+            # sleep through most of the expected forward and read after; a late wake-up only delays
+            # this process (the lag shrinks by a fifth of a step each round), never the workers.
+            delay = max(self._last_output_at, submitted) + 0.8 * expected - time.perf_counter()
+            if delay > 2e-4:
+                time.sleep(delay)
+        try:
+            raw = self._get(ref, timeout=self.cfg.parallel.step_timeout_s)
+        finally:
+            self._in_flight -= 1
+        t2 = self._last_output_at = time.perf_counter()
         outs = [from_wire(o) for o in raw]
-        self.last_wire_s = (t1 - t0) + (time.perf_counter() - t2)  # this process's (de)serialization
+        self.last_wire_s = pickle_s + (time.perf_counter() - t2)  # this process's (de)serialization
         tp = self.cfg.parallel.tensor
         drivers = [outs[g * tp] for g in range(self.cfg.parallel.data)]  # each group's TP rank 0 samples
         slot = [o.slot_load for o in outs]
@@ -151,7 +179,15 @@ class Cluster:
             if ready[0] is not None:
                 out.migration_ready = all(bool(r) for r in ready)
                 out.migration_bytes = sum(o.migration_bytes for o in outs)
-        return drivers if isinstance(step, list) else drivers[0]
+        forward = max(o.forward_s for o in drivers)
+        if len(self._forward_s) > 1024:
+            self._forward_s.clear()
+        self._forward_s.setdefault(num_tokens, collections.deque(maxlen=4)).append(forward)
+        return drivers if is_list else drivers[0]
+
+    def execute(self, step):
+        """One round, waited for."""
+        return self.wait(self.submit(step))
 
     def debug_logits(self, step: StepInput) -> torch.Tensor:  # data = 1
         """Run one step and return rank 0's logits of the sampled rows (parity checks only)."""

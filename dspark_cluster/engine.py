@@ -54,6 +54,17 @@ class TokenEvent:
     seq: Sequence
 
 
+@dataclass
+class _InFlight:
+    """A step scheduled and submitted whose output is not processed yet."""
+
+    scheds: list  # SchedulerOutput per data-parallel group
+    inputs: list  # StepInput per data-parallel group
+    handle: object  # the executor's, for wait()
+    submit_s: float
+    ahead_ok: bool  # built for async scheduling: the next step may take its tokens as inputs
+
+
 class LocalExecutor:
     """`executor: local`: the whole model on one device in this process."""
 
@@ -65,9 +76,19 @@ class LocalExecutor:
         sc = cfg.scheduler
         self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
         allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
+        self._prev_sampled = None
+
+    def submit(self, step: StepInput) -> StepOutput:
+        """Run the step now (in process there is nothing to overlap); `wait` hands back its output."""
+        out = execute_step(self.model, step, self.device, prev_sampled=self._prev_sampled)
+        self._prev_sampled = out.sampled
+        return out
+
+    def wait(self, handle: StepOutput) -> StepOutput:
+        return handle
 
     def execute(self, step: StepInput) -> StepOutput:
-        return execute_step(self.model, step, self.device)
+        return self.wait(self.submit(step))
 
     def shutdown(self) -> None:
         self.model = None
@@ -120,6 +141,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.seqs: dict[str, Sequence] = {}
         self.step_stats: list[dict] = []
+        # async scheduling: schedule step n+1 while the workers run step n (see step())
+        mode = sc.async_scheduling
+        self.async_scheduling = cfg.parallel.executor == "ray" if mode == "auto" else bool(mode)
+        self._inflight: Optional[_InFlight] = None
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Union[str, list[int]]) -> list[int]:
@@ -181,7 +206,7 @@ class LLMEngine:
         return [s for g in self.schedulers for s in g.abort(request_id)]
 
     def has_unfinished(self) -> bool:
-        return any(g.has_unfinished() for g in self.schedulers)
+        return self._inflight is not None or any(g.has_unfinished() for g in self.schedulers)
 
     def load(self) -> dict:
         """Totals over the data-parallel groups."""
@@ -195,29 +220,64 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """Process one step's output and return the tokens it gave. With async scheduling the next
+        step is scheduled and submitted first, so the workers compute it while this process handles
+        the output of the one before (the step's own tokens reach the workers from their own output)."""
         t0 = time.perf_counter()
+        events: list[TokenEvent] = []
+        step, self._inflight = self._inflight, None
+        if step is None:
+            step = self._schedule_and_submit(events, None)
+            if step is None:
+                return events
+        if step.ahead_ok and self._overlap():
+            self._inflight = self._schedule_and_submit(events, step)
+        events.extend(self._process(step, t0))
+        return events
+
+    def _overlap(self) -> bool:
+        """Schedule ahead: on when configured, off while speculating (drafts need the last tokens)."""
+        return self.async_scheduling and not any(g.speculation_enabled for g in self.schedulers)
+
+    def _schedule_and_submit(self, events: list, prev: Optional["_InFlight"]) -> Optional["_InFlight"]:
+        """Schedule every data-parallel group and submit the step. `prev`: the step still in flight,
+        whose sampled tokens this one takes as inputs."""
         scheds = [g.schedule() for g in self.schedulers]
-        events = [TokenEvent(s.request_id, [], True, s.finish_reason, s) for sc in scheds for s in sc.finished]
+        events.extend(TokenEvent(s.request_id, [], True, s.finish_reason, s) for sc in scheds for s in sc.finished)
         if not any(sc.scheduled for sc in scheds):
-            return events
+            return None
         self._attach_drafts([s for sc in scheds for s in sc.scheduled])
         if self.drafter is not None:  # drafter prompt prefill overlaps the target's prefill step
             self.drafter.prefill_async([
                 DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
                 if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
             ])
+        ahead_ok = self._overlap()
         # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
-        inputs = [build_step_input(sc.scheduled, g.blocks.block_tables, self.block_size)
-                  for sc, g in zip(scheds, self.schedulers)]
+        inputs = []
+        for g, sc in enumerate(scheds):
+            prev_rows = None
+            if prev is not None:
+                prev_rows = {s.seq.seq_id: i for i, s in enumerate(r for r in prev.scheds[g].scheduled if r.samples)}
+            step_in = build_step_input(sc.scheduled, self.schedulers[g].blocks.block_tables, self.block_size, prev_rows)
+            step_in.share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
+            inputs.append(step_in)
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
             inputs[0].commit_placement, self._commit_version = self._commit_version, None
             inputs[0].placement_update = self.balancer.placement_update()
             for extra in inputs[1:]:
                 extra.commit_placement, extra.placement_update = inputs[0].commit_placement, inputs[0].placement_update
-        t_verify = time.perf_counter()
-        outs = self.executor.execute(inputs if self.num_groups > 1 else inputs[0])
-        execute_time = time.perf_counter() - t_verify
+        t = time.perf_counter()
+        handle = self.executor.submit(inputs if self.num_groups > 1 else inputs[0])
+        return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok)
+
+    def _process(self, step: "_InFlight", t0: float) -> list[TokenEvent]:
+        """Wait for a submitted step and advance its sequences with the tokens it sampled."""
+        t_wait = time.perf_counter()
+        outs = self.executor.wait(step.handle)
+        execute_time = step.submit_s + time.perf_counter() - t_wait
         outs = outs if isinstance(outs, list) else [outs]
+        scheds, inputs = step.scheds, step.inputs
         if self.balancer is not None:
             self.balancer.observe(sum(o.expert_load for o in outs))
             if inputs[0].commit_placement is not None:
@@ -225,7 +285,8 @@ class LLMEngine:
             elif outs[0].migration_ready:
                 self._migration_bytes = outs[0].migration_bytes
                 self._commit_version = self.balancer.commit_version(True)
-        verify_time = time.perf_counter() - t_verify
+        verify_time = time.perf_counter() - t_wait
+        events = []
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
             sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
@@ -242,13 +303,16 @@ class LLMEngine:
             {
                 "time": time.monotonic(),
                 "step_time_s": time.perf_counter() - t0,
-                "execute_s": execute_time,  # the executor's round (in process: the forward itself)
+                "execute_s": execute_time,  # submitting + waiting for the round (in process: the forward itself)
                 "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
                 "wire_s": getattr(self.executor, "last_wire_s", 0.0),  # pickling the round here (ray)
+                "worker_s": outs[0].worker_s,  # ray: the driver rank's time in its step call (unpickling + forward)
+                "worker_between_s": outs[0].between_s,  # ray: its time from the last output to this input
                 "num_seqs": sum(len(sc.scheduled) for sc in scheds),
                 "num_tokens": sum(sc.num_tokens for sc in scheds),
                 "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),
                 "num_preempted": sum(len(sc.preempted) for sc in scheds),
+                "overlapped": self._inflight is not None,  # the next step ran while this one was processed
             }
         )
         return events

@@ -4,6 +4,10 @@ Each step mixes decodes and prefill chunks under `max_num_seqs` and `max_num_bat
 Running sequences go first (oldest first); when KV blocks run out the newest running sequence is
 preempted by recompute (its blocks are freed, its tokens kept, and it rejoins the front of the
 queue). Waiting requests are admitted in arrival order, their prompts chunked to fit the budget.
+
+Scheduling a chunk advances the sequence at once (`num_computed_tokens`, and a pending token when it
+samples), so the next step can be scheduled while this one is still running (async scheduling);
+`update` fills in the sampled tokens when the step's output arrives.
 """
 
 from __future__ import annotations
@@ -21,19 +25,15 @@ from .spec_decode import Proposal
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # known tokens to compute (prefill chunk, or 1 for a decode)
+    num_new_tokens: int  # tokens to compute (prefill chunk, or 1 for a decode)
     num_lookahead: int = 0  # KV slots reserved for drafts (speculative decode rows)
     proposal: Optional[Proposal] = None  # drafts to verify, filled in before the step
+    start: int = 0  # the sequence's num_computed_tokens when scheduled: where this chunk begins
+    samples: bool = False  # the chunk reaches the end of the tokens, so the next token is sampled
 
     @property
     def num_draft(self) -> int:
         return len(self.proposal.tokens) if self.proposal is not None else 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so the next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
 
 @dataclass
 class SchedulerOutput:
@@ -97,6 +97,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.done_when_pending_arrive(self.max_model_len):
+                i += 1  # its last token is in flight
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             la = self._lookahead(seq, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
             n_alloc = n + la
@@ -115,7 +118,7 @@ class Scheduler:
                     out.preempted.append(seq)
                 break
             self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n_alloc)
-            out.scheduled.append(ScheduledSeq(seq, n, la))
+            out.scheduled.append(self._advance(seq, n, la))
             budget -= n_alloc
             i += 1
         if out.preempted:
@@ -132,9 +135,18 @@ class Scheduler:
             self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(self._advance(seq, n))
             budget -= n
         return out
+
+    @staticmethod
+    def _advance(seq: Sequence, n: int, lookahead: int = 0) -> ScheduledSeq:
+        """Count the chunk as computed now; a sampling chunk leaves one token pending."""
+        s = ScheduledSeq(seq, n, lookahead, start=seq.num_computed_tokens,
+                         samples=seq.num_computed_tokens + n == seq.num_tokens)
+        seq.num_computed_tokens += n
+        seq.num_pending += s.samples
+        return s
 
     def _lookahead(self, seq: Sequence, budget_left: int) -> int:
         """Draft slots for a decode row: none when speculation is off (globally or for the
@@ -146,22 +158,24 @@ class Scheduler:
         return max(0, min(k, room, budget_left))
 
     def update(self, scheduled: list[ScheduledSeq], sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
-        """Advance sequences after a step. sampled: seq_id -> new tokens (sampling rows only: the
-        accepted drafts and one token of the target's). Returns (sequence, new tokens) for every
-        sequence that produced tokens; finished ones are removed and their blocks freed."""
+        """Fill in a step's tokens. sampled: seq_id -> new tokens (sampling rows only: the accepted
+        drafts and one token of the target's). Returns (sequence, new tokens) for every sequence that
+        produced tokens; finished ones are removed and their blocks freed. Rows of sequences that
+        ended while the step ran (aborted, or finished by the step before) are dropped."""
         now = time.monotonic()
         events = []
         for s in scheduled:
             seq = s.seq
-            if s.proposal is not None and seq.seq_id in sampled:
+            if not s.samples:
+                continue
+            seq.num_pending -= 1
+            if seq.finished or seq.seq_id not in sampled:
+                continue
+            if s.proposal is not None:
                 accepted = len(sampled[seq.seq_id]) - 1
                 seq.num_draft_tokens += s.num_draft
                 seq.num_accepted_tokens += accepted
-                seq.num_computed_tokens += s.num_new_tokens + accepted  # the KV of rejected drafts is dropped
-            else:
-                seq.num_computed_tokens += s.num_new_tokens
-            if seq.seq_id not in sampled:
-                continue
+                seq.num_computed_tokens += accepted  # the KV of rejected drafts is dropped
             new = []
             for tok in sampled[seq.seq_id]:
                 new.append(tok)

@@ -28,7 +28,10 @@ class Sequence:
     eos_token_ids: tuple = ()
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being computed by a step in flight)
+    # tokens sampled by a step in flight, not yet known here (async scheduling: at most 1); they count
+    # in num_tokens so that the next step can be scheduled before they arrive
+    num_pending: int = 0
     finish_reason: Optional[str] = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_times: list = field(default_factory=list)  # time each output token was produced
@@ -39,7 +42,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -62,9 +65,14 @@ class Sequence:
             self.finish_reason = "stop"
         elif token in p.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+        elif self.num_output_tokens >= p.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def done_when_pending_arrive(self, max_model_len: int) -> bool:
+        """The tokens in flight will end this request by length: nothing more to schedule for it."""
+        return self.num_pending > 0 and (self.num_output_tokens + self.num_pending >= self.params.max_tokens
+                                         or self.num_tokens >= max_model_len)
 
     def metrics(self) -> dict:
         first = self.token_times[0] if self.token_times else None

@@ -81,6 +81,11 @@ class StepInput(_NumpyWire):
     placement_update: Optional[tuple] = None  # (version, phy2log [L, S]): start migrating experts
     commit_placement: Optional[int] = None  # version: switch to it before this step's forward
     return_logits: bool = False  # diagnostics (parity tests): also return the sampled rows' logits
+    # async scheduling: input_ids[prev_token_pos[i]] is the token the previous step sampled in its
+    # sample row prev_token_row[i]; the worker fills it in from its own output before the forward
+    prev_token_pos: Optional[torch.Tensor] = None  # [P] long
+    prev_token_row: Optional[torch.Tensor] = None  # [P] long
+    share_sampled: bool = False  # TP rank 0 broadcasts its sampled tokens (the next step may need them)
 
 
 @dataclass
@@ -93,15 +98,26 @@ class StepOutput(_NumpyWire):
     migration_ready: Optional[bool] = None  # an expert migration is staged and complete on this rank
     migration_bytes: int = 0
     forward_s: float = 0.0  # this rank's time inside execute_step (the rest of a round is transport)
+    worker_s: float = 0.0  # a ShardWorker's time in its step call but pickling the output (forward_s included)
+    between_s: float = 0.0  # a ShardWorker's time from returning the previous step to starting this one
 
 
-def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int) -> StepInput:
+def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int,
+                     prev_rows: Optional[dict[int, int]] = None) -> StepInput:
+    """prev_rows (async scheduling): seq_id -> its sample row in the step still in flight, whose
+    token is this step's input for that sequence."""
     input_ids, query_lens, context_lens, tables = [], [], [], []
     rows, temps, ks, ps, seeds, pos_out = [], [], [], [], [], []
     drafts, draft_probs = [], []
+    prev_pos, prev_row = [], []
     for b, s in enumerate(scheduled):
-        seq, start = s.seq, s.seq.num_computed_tokens
-        input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
+        seq, start = s.seq, s.start
+        known = seq.token_ids[start : start + s.num_new_tokens]
+        input_ids.extend(known)
+        if len(known) < s.num_new_tokens:  # the last token is still being sampled by the step in flight
+            prev_pos.append(len(input_ids))
+            prev_row.append(prev_rows[seq.seq_id])
+            input_ids.append(0)
         if s.proposal is not None:  # the drafts follow the last known token
             input_ids.extend(s.proposal.tokens)
         query_lens.append(s.num_new_tokens + s.num_draft)
@@ -114,7 +130,7 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
             ks.append(p.top_k)
             ps.append(p.top_p)
             seeds.append(-1 if p.seed is None else p.seed)
-            pos_out.append(seq.num_output_tokens)
+            pos_out.append(seq.num_output_tokens + seq.num_pending - 1)  # pending counts this row's own token
             drafts.append(s.proposal.tokens if s.proposal is not None else [])
             draft_probs.append(s.proposal.probs if s.proposal is not None else None)
     width = max((len(t) for t in tables), default=1)
@@ -135,6 +151,8 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
         seeds=long(seeds),
         positions_out=long(pos_out),
         block_size=block_size,
+        prev_token_pos=long(prev_pos) if prev_pos else None,
+        prev_token_row=long(prev_row) if prev_pos else None,
         **_draft_fields(drafts, draft_probs),
     )
 
@@ -159,10 +177,17 @@ def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
 
 
 @torch.inference_mode()
-def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True) -> StepOutput:
+def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
+                 prev_sampled: Optional[torch.Tensor] = None) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
-    `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD)."""
+    `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
+    `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
+    know yet (`prev_token_pos`)."""
     t0 = time.perf_counter()
+    if step.prev_token_pos is not None:
+        if prev_sampled is None:
+            raise RuntimeError("a step refers to the previous step's tokens, but this rank has none")
+        step.input_ids[step.prev_token_pos] = prev_sampled[step.prev_token_row, 0]
     out = _execute_step(model, step, device, sample_tokens)
     out.forward_s = time.perf_counter() - t0
     return out
@@ -195,6 +220,8 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
             probs = step.draft_probs.to(device) if step.draft_probs is not None else None
             tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
             sampled, num_tokens = tokens.cpu(), num_tokens.cpu()
+    if step.share_sampled and S and model.comm.tp_size > 1:  # every rank needs them for the next input
+        sampled = model.comm.broadcast(sampled).cpu()
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,

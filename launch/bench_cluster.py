@@ -205,23 +205,27 @@ def cpu_delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a[k] for k in a}
 
 
+OVERHEAD_ARMS = ("local", "ray", "ray_sync")  # ray: async scheduling (the default); ray_sync: switched off
+
+
 def bench_overhead(path, repeats, new_tokens, prompt_len):
     """The Ray cluster is started and shut down around each of its measurements: an idle compiled
-    graph keeps its reader polling, which would steal a core from the in-process run."""
+    graph keeps its reader polling, which would steal a core from the in-process run. The arms are
+    interleaved, their order rotated every repeat."""
     spec = load_spec(path, "float32")
     prompt = random_prompts([prompt_len], spec.vocab_size, seed=1)[0]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     torch.set_num_threads(1)
     local = LLM(path, config={"model": {"dtype": "float32"}, "parallel": {"executor": "local", "threads_per_worker": 1}})
-    res = {"local": [], "ray": []}
-    cpu = {"local": [], "ray": []}
+    res = {name: [] for name in OVERHEAD_ARMS}
+    cpu = {name: [] for name in OVERHEAD_ARMS}
     outs = {}
     try:
         local.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
         for i in range(repeats):
-            for name in (("local", "ray") if i % 2 == 0 else ("ray", "local")):
-                if name == "ray":
-                    llm = ray_llm(path, 1)
+            for name in OVERHEAD_ARMS[i % 3:] + OVERHEAD_ARMS[: i % 3]:
+                if name != "local":
+                    llm = ray_llm(path, 1, async_scheduling=name == "ray")
                     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
                 else:
                     llm = local
@@ -232,22 +236,24 @@ def bench_overhead(path, repeats, new_tokens, prompt_len):
                     wall = time.perf_counter() - t0
                     cpu[name].append({k: v / wall for k, v in cpu_delta(c0, proc_cpu()).items()})
                 finally:
-                    if name == "ray":
+                    if name != "local":
                         llm.shutdown()
                         time.sleep(1.0)  # let the actors exit
                 outs[name] = o.token_ids
                 res[name].append((o.metrics["tpot_s"], o.metrics["ttft_s"]))
     finally:
         local.shutdown()
-    tl = statistics.median(t for t, _ in res["local"])
-    tr = statistics.median(t for t, _ in res["ray"])
-    ratios = [r[0] / l[0] for l, r in zip(res["local"], res["ray"])]
-    cores = {name: {k: statistics.median(c[k] for c in cpu[name]) for k in cpu[name][0]} for name in cpu}
-    out = {"local_tpot_ms": tl * 1e3, "ray_tpot_ms": tr * 1e3, "ratio": tr / tl, "ratio_of_pairs_median": statistics.median(ratios),
-               "local_ttft_ms": statistics.median(t for _, t in res["local"]) * 1e3,
-               "ray_ttft_ms": statistics.median(t for _, t in res["ray"]) * 1e3,
-               "repeats": repeats, "identical_outputs": outs["local"] == outs["ray"], "cores_busy": cores, "raw": res}
-    print(f"overhead: local {tl*1e3:.2f} ms  ray {tr*1e3:.2f} ms  ratio {tr/tl:.2f}x  cores {cores}", flush=True)
+    tpot = {name: statistics.median(t for t, _ in res[name]) for name in OVERHEAD_ARMS}
+    out = {"repeats": repeats, "identical_outputs": outs["local"] == outs["ray"] == outs["ray_sync"], "raw": res,
+           "cores_busy": {name: {k: statistics.median(c[k] for c in cpu[name]) for k in cpu[name][0]} for name in cpu}}
+    for name in OVERHEAD_ARMS:
+        out[f"{name}_tpot_ms"] = tpot[name] * 1e3
+        out[f"{name}_ttft_ms"] = statistics.median(t for _, t in res[name]) * 1e3
+        if name != "local":
+            out[f"{name}_ratio"] = tpot[name] / tpot["local"]
+            out[f"{name}_ratio_of_pairs_median"] = statistics.median(r[0] / l[0] for l, r in zip(res["local"], res[name]))
+    print("overhead: " + "  ".join(f"{n} {tpot[n]*1e3:.2f} ms" for n in OVERHEAD_ARMS) +
+          f"  ratios {out['ray_ratio']:.2f}x (sync {out['ray_sync_ratio']:.2f}x)", flush=True)
     return out
 
 
@@ -258,10 +264,12 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
     from dspark_cluster import load_config
     from dspark_cluster.runner import run_experiment
 
-    rows = {"local": [], "ray": []}
+    rows = {name: [] for name in OVERHEAD_ARMS}
     for i in range(repeats):
-        for ex in (("local", "ray") if i % 2 == 0 else ("ray", "local")):
-            cfg = load_config(None, [f"model.path={path}", "model.dtype=float32", f"parallel.executor={ex}",
+        for ex in OVERHEAD_ARMS[i % 3:] + OVERHEAD_ARMS[: i % 3]:
+            executor = "local" if ex == "local" else "ray"
+            cfg = load_config(None, [f"model.path={path}", "model.dtype=float32", f"parallel.executor={executor}",
+                                     f"scheduler.async_scheduling={ex == 'ray'}",
                                      "parallel.threads_per_worker=1", "workload.kind=synthetic", "workload.num_requests=1",
                                      f"workload.prompt_len=[{prompt_len},{prompt_len}]",
                                      f"workload.output_len=[{new_tokens},{new_tokens}]", f"report.out_dir={out_dir}",
@@ -273,8 +281,11 @@ def overhead_breakdown(path, repeats, new_tokens, prompt_len, out_dir="/tmp/dspa
                              "execute_ms": statistics.median(s["execute_s"] for s in steps) * 1e3,
                              "forward_ms": statistics.median(s["forward_s"] for s in steps) * 1e3,
                              "wire_ms": statistics.median(s.get("wire_s", 0.0) for s in steps) * 1e3,
+                             "worker_extra_ms": statistics.median(s["worker_s"] - s["forward_s"] for s in steps) * 1e3
+                             if ex != "local" else 0.0,
+                             "worker_between_ms": statistics.median(s["worker_between_s"] for s in steps) * 1e3,
                              "period_ms": period * 1e3, "tpot_ms": rep["summary"]["tpot_p50_s"] * 1e3})
-            if ex == "ray":
+            if ex != "local":
                 time.sleep(1.0)
     out = {ex: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for ex, rs in rows.items()}
     print(f"overhead breakdown (AsyncEngine both): {out}", flush=True)
@@ -291,9 +302,8 @@ def decode_step_payloads(path):
     bm = BlockManager(64, 16)
     sc = Scheduler(bm, 4, 2048, 4096)
     sc.add(Sequence("a", list(range(3, 131)), 128, SamplingParams(max_tokens=4, temperature=0)))
-    seq = sc.schedule().scheduled[0].seq
-    seq.num_computed_tokens = 128
-    seq.token_ids.append(5)
+    prefill = sc.schedule().scheduled
+    sc.update(prefill, {prefill[0].seq.seq_id: [5]})  # the prompt's KV is computed, one token out
     step = build_step_input(sc.schedule().scheduled, bm.block_tables, 16)
     spec = load_spec(path, "float32")
     load = torch.zeros(sum(spec.moe_layers), spec.num_experts, dtype=torch.long)
@@ -613,24 +623,28 @@ def print_tables(res):
     if "overhead" in res:
         o = res["overhead"]
         print(f"\nRay overhead, tensor = 1, batch 1, {o['repeats']} interleaved repeats (medians)")
-        print("| executor | TPOT (ms) | TTFT (ms) |")
-        print("|---|---|---|")
-        print(f"| local (in-process) | {o['local_tpot_ms']:.2f} | {o['local_ttft_ms']:.1f} |")
-        print(f"| ray (Router + 1 ShardWorker, compiled graph) | {o['ray_tpot_ms']:.2f} | {o['ray_ttft_ms']:.1f} |")
-        print(f"ratio ray/local: {o['ratio']:.2f}x (median of paired ratios {o['ratio_of_pairs_median']:.2f}x); "
-              f"same tokens: {o['identical_outputs']}")
+        print("| executor | TPOT (ms) | TTFT (ms) | TPOT ray / local | median of paired ratios |")
+        print("|---|---|---|---|---|")
+        labels = {"local": "local (in-process)", "ray": "ray, async scheduling (default)",
+                  "ray_sync": "ray, async_scheduling: false"}
+        for name in OVERHEAD_ARMS:
+            ratio = "" if name == "local" else f"{o[name + '_ratio']:.2f}x | {o[name + '_ratio_of_pairs_median']:.2f}x"
+            print(f"| {labels[name]} | {o[name + '_tpot_ms']:.2f} | {o[name + '_ttft_ms']:.1f} | {ratio or ' | '} |")
+        print(f"same tokens: {o['identical_outputs']}")
         for name, c in o["cores_busy"].items():
             print(f"cores busy during the {name} generation: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
         if "breakdown" in o:
             print("Both executors behind the same AsyncEngine (run_experiment, 1 request), decode steps, medians:")
-            print("| executor | engine step_time_s (ms) | executor round (ms) | forward on the driver rank (ms) | "
-                  "pickling in the Router (ms) | rest of the round: channel hops + worker pickling (ms) | "
-                  "period between steps (ms) | TPOT (ms) |")
-            print("|---|---|---|---|---|---|---|---|")
+            print("| executor | engine step_time_s (ms) | submit + wait for the round (ms) | forward on the driver rank (ms) | "
+                  "pickling in the Router (ms) | channel hops + worker pickling (ms) | worker: unpickling + dispatch (ms) | "
+                  "worker: from its last output to this input (ms) | period between steps (ms) | TPOT (ms) |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
             for ex, b in o["breakdown"].items():
-                rest = b["execute_ms"] - b["forward_ms"] - b.get("wire_ms", 0.0)
+                # with async scheduling the round overlaps the Router's work: its parts no longer add up
+                rest = "overlapped" if ex == "ray" else f"{b['execute_ms'] - b['forward_ms'] - b.get('wire_ms', 0.0):.2f}"
                 print(f"| {ex} | {b['step_ms']:.2f} | {b['execute_ms']:.2f} | {b['forward_ms']:.2f} | "
-                      f"{b.get('wire_ms', 0.0):.2f} | {rest:.2f} | {b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
+                      f"{b.get('wire_ms', 0.0):.2f} | {rest} | {b['worker_extra_ms']:.2f} | {b['worker_between_ms']:.2f} | "
+                      f"{b['period_ms']:.2f} | {b['tpot_ms']:.2f} |")
         if "serialization" in o:
             z = o["serialization"]
             print(f"pickle round trip (dumps + loads, us / bytes): StepInput ({z['step_input_tensors']} tensors, pickled as numpy) "
