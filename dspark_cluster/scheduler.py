@@ -35,6 +35,7 @@ class ScheduledSeq:
     def num_draft(self) -> int:
         return len(self.proposal.tokens) if self.proposal is not None else 0
 
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)

@@ -11,7 +11,8 @@ comm      bytes each rank sends per decode step (all-reduce / all-gather / all-t
           in-process model and records each token's top-k experts, so it is exact, not an expectation.
 overhead  decode step time (RequestOutput.metrics["tpot_s"], 128-token greedy generation, batch 1)
           through the cluster at tensor = 1 (Router actor + one ShardWorker over a Ray compiled
-          graph) against the in-process engine (executor local), one thread each, interleaved; then
+          graph; with async scheduling, the default, and without) against the in-process engine
+          (executor local), one thread each, interleaved; then
           where the difference goes: both executors behind the same AsyncEngine (engine step time vs
           the period between steps), a pickle round trip of a decode StepInput / StepOutput, and the
           compiled graph's own round trip over a do-nothing actor with those payloads.

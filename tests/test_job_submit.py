@@ -37,9 +37,13 @@ def test_ray_job_submit_runs_the_main_job_with_token_auth(checkpoint, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
+    # the agents' default ports are taken when the session's Ray (the ray_cluster fixture) is up:
+    # without ports of its own this head's job agent never starts ("No available agent")
+    agent_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=4", "--block",
-         "--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=true"],
+         "--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=true", *agent_ports],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -52,13 +56,18 @@ def test_ray_job_submit_runs_the_main_job_with_token_auth(checkpoint, tmp_path):
             time.sleep(2)
         path = checkpoint("deepseek_v3")
         out_dir = tmp_path / "runs"
-        job = subprocess.run(
-            ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-             "python", "launch/run.py", "--no-progress", "--set", f"model.path={path}", "--set", "parallel.executor=ray",
-             "--set", "workload.kind=synthetic", "--set", "workload.num_requests=4", "--set", "workload.output_len=[2,8]",
-             "--set", f"report.out_dir={out_dir}", "--set", "report.name=job"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
-        )
+        while True:
+            job = subprocess.run(
+                ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+                 "python", "launch/run.py", "--no-progress", "--set", f"model.path={path}", "--set", "parallel.executor=ray",
+                 "--set", "workload.kind=synthetic", "--set", "workload.num_requests=4", "--set", "workload.output_len=[2,8]",
+                 "--set", f"report.out_dir={out_dir}", "--set", "report.name=job"],
+                env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+            )
+            # the job server answers before the node's job agent has registered (Ray says "try again later")
+            if "No available agent" not in job.stdout + job.stderr or time.time() > deadline:
+                break
+            time.sleep(2)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in job.stdout + job.stderr and "output tokens/s" in job.stdout
         assert (out_dir / "job" / "report.json").is_file()
