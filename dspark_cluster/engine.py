@@ -63,6 +63,15 @@ class _InFlight:
     handle: object  # the executor's, for wait()
     submit_s: float
     ahead_ok: bool  # built for async scheduling: the next step may take its tokens as inputs
+    processed: bool = False  # its tokens were handed to the scheduler
+
+
+def _rollback(scheds: list) -> None:
+    """Undo what scheduling advanced for a step whose output will never be processed."""
+    for sc in scheds:
+        for s in sc.scheduled:
+            s.seq.num_computed_tokens = min(s.seq.num_computed_tokens, s.start)
+            s.seq.num_pending -= s.samples
 
 
 class LocalExecutor:
@@ -226,13 +235,33 @@ class LLMEngine:
         t0 = time.perf_counter()
         events: list[TokenEvent] = []
         step, self._inflight = self._inflight, None
-        if step is None:
-            step = self._schedule_and_submit(events, None)
+        try:
             if step is None:
-                return events
-        if step.ahead_ok and self._overlap():
-            self._inflight = self._schedule_and_submit(events, step)
-        events.extend(self._process(step, t0))
+                step = self._schedule_and_submit(events, None)
+                if step is None:
+                    return self._free_drafts(events)
+            if step.ahead_ok and self._overlap():
+                self._inflight = self._schedule_and_submit(events, step)
+            events.extend(self._process(step, t0))
+        except BaseException:
+            # scheduling advanced the sequences of every step not processed: undo it, so that a
+            # caller who catches this (LLM in process: an interrupt, an out-of-memory) can step again
+            for unprocessed in (self._inflight, step):
+                if unprocessed is not None and not unprocessed.processed:
+                    _rollback(unprocessed.scheds)
+            self._inflight = None
+            raise
+        return self._free_drafts(events)
+
+    def drain(self) -> list[TokenEvent]:
+        """Process the step in flight, if any, without scheduling another (async scheduling: the
+        last requests may end by a stop token while the step after theirs already runs)."""
+        step, self._inflight = self._inflight, None
+        return self._free_drafts(self._process(step, time.perf_counter())) if step is not None else []
+
+    def _free_drafts(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        if self.drafter is not None:
+            self.drafter.free([ev.seq.seq_id for ev in events if ev.finished])
         return events
 
     def _overlap(self) -> bool:
@@ -246,13 +275,21 @@ class LLMEngine:
         events.extend(TokenEvent(s.request_id, [], True, s.finish_reason, s) for sc in scheds for s in sc.finished)
         if not any(sc.scheduled for sc in scheds):
             return None
+        try:
+            return self._submit(scheds, prev)
+        except BaseException:
+            _rollback(scheds)
+            raise
+
+    def _submit(self, scheds: list, prev: Optional["_InFlight"]) -> "_InFlight":
         self._attach_drafts([s for sc in scheds for s in sc.scheduled])
         if self.drafter is not None:  # drafter prompt prefill overlaps the target's prefill step
             self.drafter.prefill_async([
                 DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
                 if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
             ])
-        ahead_ok = self._overlap()
+        # the next step may take this one's tokens as inputs only if each row samples one token
+        ahead_ok = self._overlap() and not any(s.proposal for sc in scheds for s in sc.scheduled)
         # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
         inputs = []
         for g, sc in enumerate(scheds):
@@ -283,9 +320,12 @@ class LLMEngine:
             if inputs[0].commit_placement is not None:
                 self.balancer.committed(self._migration_bytes)
             elif outs[0].migration_ready:
-                self._migration_bytes = outs[0].migration_bytes
-                self._commit_version = self.balancer.commit_version(True)
+                version = self.balancer.commit_version(True)
+                if version is not None:  # None: already committing (its commit may not have been sent yet)
+                    self._migration_bytes = outs[0].migration_bytes
+                    self._commit_version = version
         verify_time = time.perf_counter() - t_wait
+        step.processed = True
         events = []
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
@@ -298,10 +338,10 @@ class LLMEngine:
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
             self.drafter.stats.verify_time_s += verify_time
-            self.drafter.free([ev.seq.seq_id for ev in events if ev.finished])
         self.step_stats.append(
             {
                 "time": time.monotonic(),
+                # with async scheduling: waiting for this step plus scheduling the next one
                 "step_time_s": time.perf_counter() - t0,
                 "execute_s": execute_time,  # submitting + waiting for the round (in process: the forward itself)
                 "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step

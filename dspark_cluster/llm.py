@@ -103,6 +103,7 @@ class LLM:
             for ev in self.engine.step():
                 if ev.finished:
                     pending.discard(ev.request_id)
+        self.engine.drain()  # async scheduling: a step scheduled past the last stop token
         return [self._output(rid) for rid in ids]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamPiece]:
@@ -124,6 +125,7 @@ class LLM:
         finally:
             if not seq.finished:
                 self.engine.abort_request(rid)  # the consumer stopped early: free the KV
+            self.engine.drain()
             self.engine.release(rid)
 
     def _stream_router(self, prompt, params) -> Iterator[StreamPiece]:

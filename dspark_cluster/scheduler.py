@@ -26,10 +26,10 @@ from .spec_decode import Proposal
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute (prefill chunk, or 1 for a decode)
+    start: int  # the sequence's num_computed_tokens when scheduled: where this chunk begins
+    samples: bool  # the chunk reaches the end of the tokens, so the next token is sampled
     num_lookahead: int = 0  # KV slots reserved for drafts (speculative decode rows)
     proposal: Optional[Proposal] = None  # drafts to verify, filled in before the step
-    start: int = 0  # the sequence's num_computed_tokens when scheduled: where this chunk begins
-    samples: bool = False  # the chunk reaches the end of the tokens, so the next token is sampled
 
     @property
     def num_draft(self) -> int:
@@ -111,6 +111,8 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
             if not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+                if i == 0 and seq.num_pending:
+                    break  # its token in flight may end it anyway: decide once that token is known
                 if i == 0:  # alone and still out of blocks: the pool cannot hold this sequence
                     self._finish(seq, "kv_cache_full")
                     out.finished.append(seq)
@@ -143,8 +145,7 @@ class Scheduler:
     @staticmethod
     def _advance(seq: Sequence, n: int, lookahead: int = 0) -> ScheduledSeq:
         """Count the chunk as computed now; a sampling chunk leaves one token pending."""
-        s = ScheduledSeq(seq, n, lookahead, start=seq.num_computed_tokens,
-                         samples=seq.num_computed_tokens + n == seq.num_tokens)
+        s = ScheduledSeq(seq, n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens, lookahead)
         seq.num_computed_tokens += n
         seq.num_pending += s.samples
         return s

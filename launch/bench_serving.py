@@ -144,10 +144,10 @@ def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 3
         seq = Sequence(f"d{i}", torch.randint(3, spec.vocab_size, (ctx,), generator=g).tolist(), ctx - 1, params)
         seq.num_computed_tokens = ctx - 1
         bm.allocate(seq.seq_id, ctx)
-        decodes.append(ScheduledSeq(seq, 1))
+        decodes.append(ScheduledSeq(seq, 1, start=ctx - 1, samples=True))
     new = Sequence("p", torch.randint(3, spec.vocab_size, (prefill,), generator=g).tolist(), prefill, params)
     bm.allocate(new.seq_id, prefill)
-    pre = [ScheduledSeq(new, prefill)]
+    pre = [ScheduledSeq(new, prefill, start=0, samples=True)]
     cases = {"decodes alone": decodes, "prefill alone": pre, "decodes + prefill in one step": decodes + pre}
     out = {}
     for name, sched in cases.items():

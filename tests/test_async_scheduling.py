@@ -53,14 +53,63 @@ def test_async_scheduling_gives_the_same_tokens(sched, checkpoint):
         assert preempted > 0
 
 
+def test_a_pool_too_small_ends_the_request_at_the_same_token(checkpoint):
+    """Out of KV blocks for the token still in flight: the decision waits for that token (it may end
+    the request anyway), so the output and the reason match the synchronous engine's."""
+    path = checkpoint("qwen3_moe")
+    prompts = random_prompts([9], seed=46)
+    reasons = {}
+    for max_tokens in (40, 12):  # cut off by the 20-token pool; ends by length with the pool just full
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)]
+        sync, _, _ = run(path, False, params, prompts, num_kv_blocks=5)
+        ahead, overlapped, _ = run(path, True, params, prompts, num_kv_blocks=5)
+        assert ahead == sync and overlapped > 0
+        reasons[max_tokens] = sync[0][1]
+    assert reasons == {40: "kv_cache_full", 12: "length"}
+
+
+def test_a_failed_step_is_undone_and_the_engine_steps_on(checkpoint):
+    """An exception out of a step (an interrupt, an out-of-memory) leaves no half-advanced sequence:
+    the caller can catch it and step on to the same outputs."""
+    path = checkpoint("deepseek_v3")
+    prompts = random_prompts([7, 12, 5], seed=47)
+    params = mixed_params(len(prompts))
+    sync, _, _ = run(path, False, params, prompts)
+    eng = LLMEngine(load_config({"model": {"path": str(path)}, "scheduler": {"block_size": 4, "async_scheduling": True}}))
+    wait, calls = eng.executor.wait, []
+
+    def flaky_wait(handle):
+        calls.append(1)
+        if len(calls) in (3, 7):
+            raise RuntimeError("injected")
+        return wait(handle)
+
+    eng.executor.wait = flaky_wait
+    try:
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        failures = 0
+        while eng.has_unfinished():
+            try:
+                eng.step()
+            except RuntimeError:
+                failures += 1
+        assert failures == 2
+        assert [(eng.seqs[r].output_token_ids, eng.seqs[r].finish_reason) for r in ids] == sync
+        assert eng.block_manager.num_used == 0
+    finally:
+        eng.shutdown()
+
+
 def test_abort_with_a_step_in_flight_frees_everything(checkpoint):
     cfg = load_config({"model": {"path": str(checkpoint("mixtral"))},
                        "scheduler": {"block_size": 4, "num_kv_blocks": 64, "async_scheduling": True}})
+    other_prompt, other_params = random_prompts([7], seed=43)[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    alone, _, _ = run(checkpoint("mixtral"), False, [other_params], [other_prompt])
     engine = AsyncEngine(cfg)
 
     async def scenario():
         long_rid = engine.submit(random_prompts([12], seed=42)[0], SamplingParams(max_tokens=200, ignore_eos=True))
-        other = engine.submit(random_prompts([7], seed=43)[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        other = engine.submit(other_prompt, other_params)
         n = 0
         async for piece in engine.stream(long_rid):
             n += len(piece.token_ids)
@@ -72,7 +121,7 @@ def test_abort_with_a_step_in_flight_frees_everything(checkpoint):
 
     try:
         last, out = asyncio.run(scenario())
-        assert last.finish_reason == "abort" and len(out.token_ids) == 30
+        assert last.finish_reason == "abort" and [(out.token_ids, out.finish_reason)] == alone
         deadline = time.time() + 5
         while engine.stats()["kv_blocks_used"] and time.time() < deadline:
             time.sleep(0.01)
@@ -88,21 +137,23 @@ def test_speculation_switched_at_run_time_steps_in_and_out_of_async(checkpoint):
     path = checkpoint("qwen3_moe")
     prompts = random_prompts([6, 10, 8], seed=44)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(path, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
+    with LLM(path, config={"scheduler": {"block_size": 4}}) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
     eng = LLMEngine(load_config({"model": {"path": str(path)}, "speculative": {"method": "ngram", "num_tokens": 3},
                                  "scheduler": {"block_size": 4, "async_scheduling": True}}))
     try:
         ids = [eng.add_request(p, params) for p in prompts]
-        n = 0
+        n, drafts = 0, {}
         while eng.has_unfinished():
             n += 1
-            if n in (4, 12):
+            if n in (4, 12):  # off after step 3; back on (with a step in flight) at step 12
+                drafts[n] = sum(eng.seqs[r].num_draft_tokens for r in ids)
                 eng.set_speculation(n == 12)
             eng.step()
         assert [eng.seqs[r].output_token_ids for r in ids] == plain
         overlapped = [s["overlapped"] for s in eng.step_stats]
-        assert any(overlapped) and not all(overlapped)
-        assert sum(eng.seqs[r].num_draft_tokens for r in ids) > 0
+        assert any(overlapped[4:11]) and not any(overlapped[:3])
+        assert 0 < drafts[4] == drafts[12] < sum(eng.seqs[r].num_draft_tokens for r in ids)
         assert eng.block_manager.num_used == 0
     finally:
         eng.shutdown()
@@ -114,9 +165,11 @@ def test_async_scheduling_through_ray_at_tensor_2(checkpoint, ray_cluster):
     import ray
 
     path = checkpoint("qwen2_moe")
-    prompts = random_prompts([10, 4, 7], seed=45)
-    params = mixed_params(len(prompts))
+    prompts = random_prompts([10, 4, 7, 9], seed=45)
+    base, _, _ = run(path, False, mixed_params(len(prompts)), prompts)
+    params = mixed_params(len(prompts), {i: [base[i][0][len(base[i][0]) // 2]] for i in (1, 3)})  # two stop early
     base, _, _ = run(path, False, params, prompts)
+    assert any(reason == "stop" for _, reason in base)
     llm = LLM(path, config={"parallel": {"executor": "ray", "tensor": 2}, "scheduler": {"block_size": 4}})
     try:
         outs = llm.generate(prompts, params)
