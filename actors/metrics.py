@@ -31,6 +31,8 @@ class RayMetrics:
         self.rebalances = Gauge("dspark_expert_rebalances", "Expert placements committed so far", tag_keys=tags)
         self.draft_tokens = Counter("dspark_spec_draft_tokens_total", "Draft tokens proposed", tag_keys=tags)
         self.accepted_tokens = Counter("dspark_spec_accepted_tokens_total", "Draft tokens accepted", tag_keys=tags)
+        self.restarts = Counter("dspark_engine_restarts_total", "Restarts of the target's workers after a lost worker",
+                                tag_keys=tags)
 
     def observe_step(self, s: dict) -> None:
         self.step_time.observe(s["step_time_s"], self.tags)
@@ -39,6 +41,9 @@ class RayMetrics:
         self.kv_used.set(s["kv_blocks_used"], self.tags)
         if s["num_preempted"]:
             self.preemptions.inc(s["num_preempted"], self.tags)
+
+    def observe_restarts(self, count: int) -> None:
+        self.restarts.inc(count, self.tags)
 
     def observe_experts(self, balancedness: list, rebalances: int) -> None:
         for layer, b in enumerate(balancedness):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 from collections import deque
 import threading
@@ -20,10 +21,14 @@ from typing import AsyncIterator, Optional
 
 from .config import Config
 from .engine import LLMEngine, TokenEvent
-from .errors import DSparkError
+from .errors import EngineError, RequestError, StepError
 from .llm import RequestOutput, StreamPiece, _Detokenizer
 from .sampling import SamplingParams
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+FINISHED_KEPT = 1024  # finished requests' metrics a server keeps for inspection
 
 
 class AsyncEngine:
@@ -34,13 +39,15 @@ class AsyncEngine:
         self.metrics = metrics  # optional sink: observe_step(dict), observe_request(Sequence)
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
+        # request id -> (the event loop of its caller, its event queue)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._seqs: dict[str, Sequence] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop = False
         self._error: Optional[BaseException] = None
-        # per-request metrics of finished requests, for reports (bounded: a server runs for long)
-        self.finished: deque = deque(maxlen=200_000)
+        # per-request metrics of the latest finished requests (bounded: a server runs for long); a
+        # workload run records all of its own
+        self.finished = deque(maxlen=FINISHED_KEPT)
+        self.num_finished = 0
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
 
@@ -53,15 +60,23 @@ class AsyncEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            steps, restarts = eng.num_steps, eng.num_restarts
             try:
                 events = eng.step()
-            except BaseException as e:  # a dead worker: fail every request loudly, never drop one
-                self._error = e
-                self._fail_all(e)
+            except StepError as e:  # that step's requests fail; the engine and the others go on
+                self._fail(e.request_ids, e)
+                continue
+            except BaseException as e:  # the engine's own failure (restarts spent): fail every request loudly
+                log.error("the engine stopped: %s: %s", type(e).__name__, e, exc_info=e)
+                self._error = e if isinstance(e, EngineError) else EngineError(
+                    f"the engine stopped after an internal error ({type(e).__name__}); see the server log")
+                self._fail(list(self._queues), self._error)
                 return
-            if eng.step_stats and self.metrics is not None:
+            if self.metrics is not None and eng.num_restarts != restarts:
+                self.metrics.observe_restarts(eng.num_restarts - restarts)
+            if eng.num_steps != steps and self.metrics is not None:
                 self.metrics.observe_step(eng.step_stats[-1])
-                if eng.balancer is not None and len(eng.step_stats) % 10 == 0:  # cheap, but not every step
+                if eng.balancer is not None and eng.num_steps % 10 == 0:  # cheap, but not every step
                     self.metrics.observe_experts(eng.balancer.balancedness().tolist(), len(eng.balancer.events))
             self._deliver(events)
 
@@ -85,31 +100,39 @@ class AsyncEngine:
         for ev in events:
             if ev.finished:
                 self.engine.release(ev.request_id)
+                self.num_finished += 1
                 m = dict(request_id=ev.request_id, finish_reason=ev.finish_reason, **ev.seq.metrics())
                 self.finished.append(m)
                 if self.metrics is not None:
                     self.metrics.observe_request(ev.seq)
-            q = self._queues.get(ev.request_id)
-            if q is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(q.put_nowait, ev)
+            self._put(ev.request_id, ev)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for rid, q in list(self._queues.items()):
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(q.put_nowait, error)
+    def _fail(self, request_ids, error: BaseException) -> None:
+        """Hand `error` to these requests' streams (their sequences are already finished)."""
+        for rid in request_ids:
+            self.num_finished += 1
+            seq = self._seqs.get(rid)
+            if seq is not None:  # in the report too, with its reason
+                self.finished.append(dict(request_id=rid, finish_reason=seq.finish_reason or "error", **seq.metrics()))
+            self._put(rid, error)
+
+    def _put(self, request_id: str, item) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody is listening
+                loop.call_soon_threadsafe(q.put_nowait, item)
 
     # ---- the asyncio API ------------------------------------------------------------------
     def submit(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
         """Validate (raises RequestError here) and queue a request; returns its id. Call from the
         event loop's thread."""
         if self._error is not None:
-            raise DSparkError(f"the engine stopped after an error: {self._error}")
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+            raise EngineError(f"the engine stopped after an error: {self._error}")
         seq = self.engine.make_sequence(prompt, params, request_id)
         if seq.request_id in self._queues:
-            raise DSparkError(f"request_id {seq.request_id!r} is already in use")
-        self._queues[seq.request_id] = asyncio.Queue()
+            raise RequestError(f"request_id: {seq.request_id!r} is already in use")
+        self._queues[seq.request_id] = (asyncio.get_running_loop(), asyncio.Queue())
         self._seqs[seq.request_id] = seq
         self._commands.put(("add", seq))
         self._wake.set()
@@ -122,13 +145,15 @@ class AsyncEngine:
 
     async def _events(self, request_id: str) -> AsyncIterator[TokenEvent]:
         """The request's token events until it finishes; an engine error is raised here."""
-        q = self._queues[request_id]
+        _, q = self._queues[request_id]
         seq = self._seqs[request_id]
         try:
             while True:
                 ev = await q.get()
+                if isinstance(ev, EngineError):  # its message is meant for clients
+                    raise ev
                 if isinstance(ev, BaseException):
-                    raise DSparkError(f"request {request_id} failed: {ev}") from ev
+                    raise EngineError(f"request {request_id} failed ({type(ev).__name__}); see the server log") from ev
                 yield ev
                 if ev.finished:
                     return
@@ -173,8 +198,10 @@ class AsyncEngine:
         """Replay a workload in real time: each request is submitted at its arrival offset.
         Returns per-request metrics, step stats and the wall time."""
         start = time.monotonic()
-        self.finished.clear()
-        first_step = len(self.engine.step_stats)
+        self.finished = []  # this run's requests, all of them
+        self.engine.step_record = []
+        if self.engine.balancer is not None:
+            self.engine.balancer.keep_history()
 
         async def one(r):
             delay = r.arrival_s - (time.monotonic() - start)
@@ -190,20 +217,34 @@ class AsyncEngine:
         return {
             "duration_s": time.monotonic() - start,
             "requests": list(self.finished),
-            "steps": self.engine.step_stats[first_step:],
+            "steps": self.engine.step_record,
             "kv_blocks_total": self.engine.num_blocks * self.engine.num_groups,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
             "speculative": self.engine.drafter.stats.summary() if self.engine.drafter is not None else None,
             "experts": self.engine.balancer.summary() if self.engine.balancer is not None else None,
         }
 
+    def state(self) -> tuple[str, Optional[str]]:
+        """("ok" | "restarting" | "failed", a reason safe to show clients)."""
+        if self._error is not None or not self._thread.is_alive():
+            return "failed", str(self._error or "the engine's step thread is not running")
+        if self.engine.restarting:
+            return "restarting", "a target worker was lost; the workers are restarting and requests will resume"
+        return "ok", None
+
     def stats(self) -> dict:
+        """Constant time (the server's /health and /metrics call it often)."""
         eng = self.engine
+        state, reason = self.state()
         return {
+            "state": state,
+            "error": reason,
+            "restarts": eng.num_restarts,
+            "drafter_restarts": eng.drafter.num_restarts if eng.drafter is not None else 0,
             **eng.load(),
-            "steps": len(eng.step_stats),
+            "steps": eng.num_steps,
             "async_scheduling": eng.async_scheduling,
-            "overlapped_steps": sum(1 for s in eng.step_stats if s["overlapped"]),
+            "overlapped_steps": eng.num_overlapped_steps,
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,
         }

@@ -18,6 +18,8 @@ import torch
 from . import eplb
 from .placement import ExpertPlacement, default_placement
 
+RANK_HISTORY_KEPT = 4096  # steps of per-rank load a long-running server keeps
+
 
 class ExpertBalancer:
     def __init__(self, cfg, num_moe_layers: int, num_experts: int, num_ranks: int, n_group: int = 1):
@@ -30,12 +32,26 @@ class ExpertBalancer:
         self.placement: ExpertPlacement = default_placement(num_moe_layers, num_experts, num_ranks, e.num_redundant_experts)
         self.window: deque = deque(maxlen=self.window_steps)
         self.total = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)
-        self.rank_history: list[list[list[float]]] = []  # per step: [layer][rank] tokens, under the placement of that step
+        # per step: [layer][rank] tokens, under the placement of that step; bounded in a server,
+        # whole for a run's report (keep_history)
+        self.rank_history = deque(maxlen=RANK_HISTORY_KEPT)
         self.steps = 0
         self.version = 0
         self.pending: Optional[dict] = None  # a staged placement: version, phy2log, started, state
         self.requested = False
-        self.events: list[dict] = []
+        self.events = deque(maxlen=RANK_HISTORY_KEPT)  # committed rebalances
+        self.num_moe_layers, self.num_experts, self.num_redundant = num_moe_layers, num_experts, e.num_redundant_experts
+
+    def keep_history(self) -> None:
+        """Keep every step's per-rank load from now on (a run's report), not only the latest."""
+        self.rank_history, self.events = list(self.rank_history), list(self.events)
+
+    def reset_placement(self) -> None:
+        """The workers were restarted with the default placement: forget the current one and any
+        migration under way."""
+        self.placement = default_placement(self.num_moe_layers, self.num_experts, self.num_ranks, self.num_redundant)
+        self.pending = None
+        self.window.clear()
 
     # ---- telemetry ------------------------------------------------------------------------
     def observe(self, expert_load: Optional[torch.Tensor]) -> None:
@@ -118,14 +134,14 @@ class ExpertBalancer:
     def summary(self) -> dict:
         b = self.balancedness()
         return {"balancedness_per_layer": b.tolist(), "balancedness_mean": float(b.mean()),
-                "imbalance_per_layer": self.imbalance().tolist(), "rebalances": self.events,
+                "imbalance_per_layer": self.imbalance().tolist(), "rebalances": list(self.events),
                 "phy2log": self.placement.phy2log.tolist(), "expert_load_total": self.total.tolist(),
-                "rank_history": self.rank_history}
+                "rank_history": list(self.rank_history)}
 
 
 def served_balancedness(rank_history, start: int = 0, end=None) -> list[float]:
     """rank_history: per step [layer][rank] tokens -> [L] mean / max over ranks of the summed loads."""
-    steps = rank_history[start:end]
+    steps = list(rank_history)[start:end]
     if not steps:
         return []
     total = torch.tensor(steps).sum(0)  # [L, R]

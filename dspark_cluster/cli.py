@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: the DSPARK_API_KEY variable, else none)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model folder's name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--max-body-mb", type=float, default=8.0,
+                       help="refuse request bodies over this many MiB with a 413 (default 8; 0: no limit)")
     return p
 
 
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
 
             api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
             serve(cfg, host=args.host, port=args.port, api_key=api_key,
-                  served_model_name=args.served_model_name, log_level=args.log_level)
+                  served_model_name=args.served_model_name, log_level=args.log_level,
+                  max_body_bytes=int(max(args.max_body_mb, 0) * 2**20) or None)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

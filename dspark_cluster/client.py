@@ -7,8 +7,8 @@
         async for piece in pieces: ...          # StreamPiece; leaving early aborts the request
     await client.stats(); client.tokenizer; client.max_model_len; client.shutdown()
 
-Every method is called from one event loop (the server's); the local engine binds to the loop of
-its first `submit`.
+Every method is called from an event loop (the server's); each request's tokens go to the loop
+that submitted it.
 """
 
 from __future__ import annotations

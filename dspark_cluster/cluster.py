@@ -9,28 +9,59 @@ worker can hold. Each step is one round: the same StepInput goes to every worker
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
+import sys
 import time
 
 import torch
 
 from .config import Config
-from .errors import CheckpointError, ConfigError, DSparkError
+from .errors import CheckpointError, ConfigError, DSparkError, WorkerError
 from .model.spec import ModelSpec
 from .step import StepInput, from_wire, to_wire
 
 
-def ensure_ray(num_workers: int = 1):
-    """Join the Ray cluster of this job (`ray job submit`, RAY_ADDRESS) or start a local one."""
+log = logging.getLogger(__name__)
+
+
+def ensure_ray(num_workers: int = 1, address: str = "auto"):
+    """Connect this process to Ray, saying which one. `address` (parallel.ray_address): `auto` joins
+    RAY_ADDRESS (`ray job submit`), else the instance a `ray start` left running on this machine, else
+    starts a private one; `local` always starts a private one; anything else is an address to join."""
     import ray
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            # a laptop: CPU workers are 1-thread processes, so allow more of them than cores
-            ray.init(num_cpus=max(os.cpu_count() or 1, num_workers + 2), log_to_driver=False)
+    if ray.is_initialized():
+        return ray
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    join = address if address not in ("auto", "local") else None
+    if address == "auto":
+        join = os.environ.get("RAY_ADDRESS") or None
+        if join is None:
+            running = find_bootstrap_address(None)  # what the last `ray start` here wrote, if it still runs
+            join = running if running and running in find_gcs_addresses() else None
+    if join is not None:
+        _say(f"joining the Ray cluster at {join}")
+        try:
+            ray.init(address=join, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise ConfigError(
+                f"parallel.ray_address: could not join the Ray cluster at {join!r} ({type(e).__name__}: {e}); "
+                "check that it runs (`ray status`), or set parallel.ray_address=local for a private instance"
+            ) from None
+        return ray
+    # a private instance: CPU workers are 1-thread processes, so allow more of them than cores
+    num_cpus = max(os.cpu_count() or 1, num_workers + 2)
+    _say(f"starting a private Ray instance for this process ({num_cpus} CPUs); "
+         "`ray start --head` first, or set RAY_ADDRESS, to use a shared one")
+    ray.init(address="local", num_cpus=num_cpus, log_to_driver=False)
     return ray
+
+
+def _say(message: str) -> None:
+    print(f"dspark: {message}", file=sys.stderr, flush=True)
 
 
 def check_resources(cfg: Config, ray) -> str:
@@ -66,7 +97,7 @@ def num_actors(cfg: Config) -> int:
 
 class Cluster:
     def __init__(self, cfg: Config, spec: ModelSpec):
-        ray = ensure_ray(num_actors(cfg))
+        ray = ensure_ray(num_actors(cfg), cfg.parallel.ray_address)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,6 +112,7 @@ class Cluster:
         self.placement_groups, self.workers = [], []
         # for wait(): rounds submitted and not read, recent forward seconds by step size, last read
         self._in_flight, self._forward_s, self._last_output_at = 0, {}, 0.0
+        self._unread = []  # rounds submitted whose outputs were not read (drained before a teardown)
         threads = cfg.parallel.threads_per_worker or 1
         try:
             for g in range(cfg.parallel.data):
@@ -125,6 +157,45 @@ class Cluster:
         except RayActorError as e:
             raise DSparkError(f"a shard worker died: {e}") from None
 
+    def _read(self, ref):
+        """A round's outputs. A worker's own exception (raised while running this step's input)
+        is raised as itself: the engine fails that step's requests and goes on. A lost worker (dead
+        actor or node, closed channel, a round past parallel.step_timeout_s) raises WorkerError:
+        the engine restarts the workers."""
+        from ray.exceptions import GetTimeoutError, RayTaskError
+
+        timeout = self.cfg.parallel.step_timeout_s
+        try:
+            out = self._ray.get(ref, timeout=timeout)
+            self._unread.remove(ref)
+            return out
+        except RayTaskError as e:
+            self._unread.remove(ref)
+            cause = e.as_instanceof_cause()
+            if self._all_alive():
+                raise cause from None
+            raise WorkerError("a target worker was lost during a step") from e
+        except GetTimeoutError as e:
+            raise WorkerError(f"a step took longer than parallel.step_timeout_s ({timeout:g} s)") from e
+        except Exception as e:  # noqa: BLE001 -- dead actor, closed channel, a lost node
+            self._unread.remove(ref)
+            raise WorkerError("a target worker was lost during a step") from e
+
+    def _all_alive(self, grace_s: float = 2.0) -> bool:
+        """Whether every worker is alive by the GCS's record. A rank that fails because a peer died
+        (its collective broke) raises before the GCS has marked the peer dead: wait a little."""
+        from ray._private.state import state as gcs
+
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                alive = all(gcs.actor_table(w._actor_id.hex()).get("State") == "ALIVE" for w in self.workers)
+            except Exception:  # noqa: BLE001 -- cannot tell: treat as lost (a restart is safe)
+                return False
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
     def _compile(self):
         """A Ray compiled graph over the workers' `step`: one StepInput in, every rank's output
         back, through shared-memory channels instead of a task submission per worker."""
@@ -140,8 +211,12 @@ class Cluster:
         (async scheduling). Returns a handle for `wait`."""
         t0 = time.perf_counter()
         data = to_wire(step)
-        ref = self._dag.execute(data)
+        try:
+            ref = self._dag.execute(data)
+        except Exception as e:  # noqa: BLE001 -- a closed channel: a worker is gone
+            raise WorkerError("a target worker was lost while a step was submitted") from e
         self._in_flight += 1
+        self._unread.append(ref)
         t1 = time.perf_counter()
         num_tokens = sum(s.input_ids.numel() for s in (step if isinstance(step, list) else [step]))
         return ref, t1 - t0, t1, num_tokens, isinstance(step, list)
@@ -163,7 +238,7 @@ class Cluster:
             if delay > 2e-4:
                 time.sleep(delay)
         try:
-            raw = self._get(ref, timeout=self.cfg.parallel.step_timeout_s)
+            raw = self._read(ref)
         finally:
             self._in_flight -= 1
         t2 = self._last_output_at = time.perf_counter()
@@ -197,9 +272,24 @@ class Cluster:
     def comm_stats(self) -> list[dict]:
         return self._get([w.comm_stats.remote() for w in self.workers])
 
+    def _drain(self, timeout_s: float = 30.0) -> None:
+        """Read every round still in flight before the graph is torn down. Ray 2.60's raylet aborts
+        (experimental_mutable_object_provider.cc: Check failed ... Channel closed, ray#63229) when a
+        cross-node channel write reaches a node whose channel was closed by a teardown: a round left
+        running (a step past its timeout, an engine stopped mid-step) would take that node down."""
+        deadline = time.monotonic() + timeout_s
+        for ref in self._unread:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(Exception):  # a dead worker's round fails at once
+                self._ray.get(ref, timeout=left)
+        self._unread = []
+
     def shutdown(self) -> None:
         ray = self._ray
         if getattr(self, "_dag", None) is not None:
+            self._drain()
             try:
                 self._dag.teardown()
             except Exception:
@@ -235,7 +325,7 @@ def ray_get(refs, timeout=None):
 
 def start_router(cfg: Config):
     """Start the Router actor (it starts the shard workers) and wait until it serves."""
-    ray = ensure_ray(num_actors(cfg))
+    ray = ensure_ray(num_actors(cfg), cfg.parallel.ray_address)
     from actors.router import Router
 
     check_resources(cfg, ray)  # refuse before any actor starts

@@ -44,6 +44,12 @@ class ParallelConfig(_Section):
     threads_per_worker: Optional[int] = Field(None, ge=1)
     # a step (one compiled-graph round) longer than this fails its requests: a hung or lost worker
     step_timeout_s: float = Field(600.0, gt=0)
+    # executor ray: a dead worker (or node) restarts the target's workers and re-runs the requests
+    # in flight this many times over the engine's life; past that, requests fail and /health says so
+    max_restarts: int = Field(3, ge=0)
+    # which Ray to use when this process has none yet: auto = RAY_ADDRESS, else the instance a
+    # `ray start` left on this machine, else a private one; local = always a private one; or an address
+    ray_address: str = "auto"
 
     @property
     def world_size(self) -> int:

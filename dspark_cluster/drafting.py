@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
+from typing import Optional
 
 from .errors import ConfigError, DSparkError
 from .proposers import DraftRequest, make_proposer
@@ -203,8 +205,13 @@ class RayDrafterGroup:
 
 class Drafter:
     def __init__(self, cfg, target_spec, device="cpu"):
+        self.cfg = cfg
         self.k = cfg.speculative.num_tokens
         self.stats = SpecStats(self.k)
+        self.num_restarts = 0
+        self._restarted = None  # a drafter group started in the background, not yet serving
+        self._restarting: Optional[threading.Thread] = None
+        self._closed = False
         if cfg.parallel.executor == "ray":
             self.backend = RayDrafterGroup(cfg)
         else:
@@ -213,6 +220,38 @@ class Drafter:
     @property
     def alive(self) -> bool:
         return self.backend is not None
+
+    def poll(self) -> bool:
+        """Between steps: True when a drafter group restarted in the background has just taken over
+        (its KV is empty: each sequence's tokens are fed again at its next proposal)."""
+        if self._restarted is None:
+            return False
+        self.backend, self._restarted = self._restarted, None
+        log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
+        return True
+
+    def _restart_in_background(self) -> None:
+        """A lost Ray drafter group is replaced off the step's path, up to parallel.max_restarts
+        times; meanwhile requests decode without drafts."""
+        if self._closed or self.num_restarts >= self.cfg.parallel.max_restarts or (
+                self._restarting is not None and self._restarting.is_alive()):
+            return
+        self.num_restarts += 1
+
+        def start():
+            try:
+                group = RayDrafterGroup(self.cfg)
+            except Exception as e:  # noqa: BLE001 -- stays on plain decoding
+                log.warning("drafter group restart failed (%s: %s); continuing without speculation",
+                            type(e).__name__, e)
+                return
+            if self._closed:
+                group.shutdown()
+            else:
+                self._restarted = group
+
+        self._restarting = threading.Thread(target=start, name="dspark-drafter-restart", daemon=True)
+        self._restarting.start()
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Proposals for every request; on any drafter failure speculation is switched off and
@@ -254,6 +293,14 @@ class Drafter:
                 backend.shutdown()
             except Exception:  # noqa: BLE001
                 pass
+        if isinstance(backend, RayDrafterGroup):
+            self._restart_in_background()
 
     def shutdown(self) -> None:
+        self._closed = True
         self._drop()
+        if self._restarting is not None:
+            self._restarting.join(timeout=60)
+        restarted, self._restarted = self._restarted, None
+        if restarted is not None:
+            restarted.shutdown()

@@ -6,8 +6,10 @@ the tokens each request gained. `LLM` drives it; the Ray router drives the same 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -15,7 +17,7 @@ from typing import Optional, Union
 import torch
 
 from .config import Config
-from .errors import RequestError
+from .errors import EngineError, RequestError, StepError, WorkerError
 from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
 from .model.loader import load_model
 from .model.spec import ModelSpec, load_spec
@@ -25,6 +27,12 @@ from .sequence import Sequence
 from .proposers import DraftRequest
 from .spec_decode import Proposal
 from .step import StepInput, StepOutput, build_step_input, execute_step
+
+log = logging.getLogger(__name__)
+
+# per-step statistics kept for live metrics in a long-running server; a run's report records every
+# step through `LLMEngine.step_record`
+STEP_STATS_KEPT = 4096
 
 
 def resolve_device(device: str) -> torch.device:
@@ -40,7 +48,10 @@ def load_tokenizer(path) -> Optional[object]:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(p))
+    from .model.spec import refuse_remote_code
+
+    refuse_remote_code(p, "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
 
 
 @dataclass
@@ -149,11 +160,17 @@ class LLMEngine:
         self._migration_bytes = 0
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.seqs: dict[str, Sequence] = {}
-        self.step_stats: list[dict] = []
+        self.step_stats: deque = deque(maxlen=STEP_STATS_KEPT)  # the latest steps (bounded: servers run for long)
+        self.step_record: Optional[list] = None  # every step's stats, when a run's report asks for them
+        self.num_steps = self.num_overlapped_steps = 0
+        # fault tolerance (executor ray): target restarts so far, and whether one is under way
+        self.num_restarts, self.restarting = 0, False
+        self._speculation_wanted = True  # the run-time switch, as last set (a drafter restart restores it)
         # async scheduling: schedule step n+1 while the workers run step n (see step())
         mode = sc.async_scheduling
         self.async_scheduling = cfg.parallel.executor == "ray" if mode == "auto" else bool(mode)
         self._inflight: Optional[_InFlight] = None
+        self._scheduling = None  # the step being submitted (to fail its requests if that fails)
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Union[str, list[int]]) -> list[int]:
@@ -179,6 +196,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params: got {type(params).__name__}; expected SamplingParams")
+        if params.top_k > self.spec.vocab_size:
+            raise RequestError(f"top_k: got {params.top_k}; at most the vocabulary size {self.spec.vocab_size} "
+                               "(0 = no top-k filter)")
         ids = self.encode(prompt)
         if not ids:
             raise RequestError("prompt: empty; give at least one token")
@@ -211,8 +231,8 @@ class LLMEngine:
     def block_manager(self) -> BlockManager:
         return self.schedulers[0].blocks
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        return [s for g in self.schedulers for s in g.abort(request_id)]
+    def abort_request(self, request_id: str, reason: str = "abort") -> list[Sequence]:
+        return [s for g in self.schedulers for s in g.abort(request_id, reason)]
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or any(g.has_unfinished() for g in self.schedulers)
@@ -231,10 +251,18 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """Process one step's output and return the tokens it gave. With async scheduling the next
         step is scheduled and submitted first, so the workers compute it while this process handles
-        the output of the one before (the step's own tokens reach the workers from their own output)."""
+        the output of the one before (the step's own tokens reach the workers from their own output).
+
+        Failures: a lost worker (WorkerError) restarts the workers and re-runs every request in
+        flight from its tokens (up to parallel.max_restarts; then EngineError). Any other error in a
+        step fails that step's requests only (StepError names them; they are finished with reason
+        "error" and their KV freed) and the engine steps on."""
         t0 = time.perf_counter()
         events: list[TokenEvent] = []
         step, self._inflight = self._inflight, None
+        self._scheduling = None
+        if self.drafter is not None and self.drafter.poll():
+            self._apply_speculation()
         try:
             if step is None:
                 step = self._schedule_and_submit(events, None)
@@ -243,15 +271,65 @@ class LLMEngine:
             if step.ahead_ok and self._overlap():
                 self._inflight = self._schedule_and_submit(events, step)
             events.extend(self._process(step, t0))
-        except BaseException:
-            # scheduling advanced the sequences of every step not processed: undo it, so that a
-            # caller who catches this (LLM in process: an interrupt, an out-of-memory) can step again
-            for unprocessed in (self._inflight, step):
-                if unprocessed is not None and not unprocessed.processed:
-                    _rollback(unprocessed.scheds)
-            self._inflight = None
-            raise
+        except BaseException as e:
+            # scheduling advanced the sequences of every step not processed: undo it, so that the
+            # engine (or a caller who catches this: LLM in process, an interrupt) can step again
+            unprocessed = [u for u in (self._inflight, step) if u is not None and not u.processed]
+            for u in unprocessed:
+                _rollback(u.scheds)
+            failed = [s.seq for u in unprocessed for sc in u.scheds for s in sc.scheduled]
+            failed += [s.seq for sc in (self._scheduling or ()) for s in sc.scheduled]
+            self._inflight = self._scheduling = None
+            if isinstance(e, WorkerError):
+                self._recover(e)
+                return self._free_drafts(events)
+            if not isinstance(e, Exception) or isinstance(e, EngineError):
+                raise  # an interrupt, or the engine's own failure
+            log.exception("a step failed; failing its %d request(s), the engine goes on", len(failed))
+            raise StepError(self._fail(failed), e) from e
         return self._free_drafts(events)
+
+    def _fail(self, seqs: list[Sequence]) -> list[str]:
+        """Finish these sequences with reason "error" and free their KV; returns their request ids."""
+        ids = list(dict.fromkeys(seq.request_id for seq in seqs if not seq.finished))
+        for rid in ids:
+            for seq in self.abort_request(rid, reason="error"):
+                self.release(seq.request_id)
+        if self.drafter is not None:
+            self.drafter.free([seq.seq_id for seq in seqs])
+        return ids
+
+    def _recover(self, error: WorkerError) -> None:
+        """A target worker (or its node) was lost: tear the workers down, start new ones under the
+        same placement rules, and queue every running request for recompute from the tokens it
+        already has (prompt + output so far), so that clients see a pause and greedy outputs do
+        not change. Raises EngineError once parallel.max_restarts are spent."""
+        limit = self.cfg.parallel.max_restarts
+        self.restarting = True
+        try:
+            while True:
+                if self.num_restarts >= limit:
+                    raise EngineError(f"the engine stopped: a worker failed and the {limit} restart(s) allowed "
+                                      "(parallel.max_restarts) are spent") from error
+                self.num_restarts += 1
+                log.error("target worker lost (%s: %s); restart %d of %d", type(error.__cause__ or error).__name__,
+                          error.__cause__ or error, self.num_restarts, limit)
+                self.executor.shutdown()
+                try:
+                    self.executor = make_executor(self.cfg, self.spec)
+                    break
+                except Exception as e:  # noqa: BLE001 -- e.g. the lost node's devices are not back yet
+                    log.error("restart %d failed: %s: %s", self.num_restarts, type(e).__name__, e)
+                    error = e if isinstance(e, WorkerError) else WorkerError(str(e))
+                    time.sleep(min(2.0 ** self.num_restarts, 30.0))
+            self.num_blocks = self.executor.num_blocks
+            for g in self.schedulers:
+                g.requeue_all(BlockManager(self.num_blocks, self.block_size))
+            if self.balancer is not None:  # new workers start from the default expert placement
+                self.balancer.reset_placement()
+            self._commit_version, self._migration_bytes = None, 0
+        finally:
+            self.restarting = False
 
     def drain(self) -> list[TokenEvent]:
         """Process the step in flight, if any, without scheduling another (async scheduling: the
@@ -279,6 +357,7 @@ class LLMEngine:
             return self._submit(scheds, prev)
         except BaseException:
             _rollback(scheds)
+            self._scheduling = scheds  # for step(): the requests of a step that failed to start
             raise
 
     def _submit(self, scheds: list, prev: Optional["_InFlight"]) -> "_InFlight":
@@ -338,7 +417,7 @@ class LLMEngine:
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
             self.drafter.stats.verify_time_s += verify_time
-        self.step_stats.append(
+        stats = (
             {
                 "time": time.monotonic(),
                 # with async scheduling: waiting for this step plus scheduling the next one
@@ -355,6 +434,11 @@ class LLMEngine:
                 "overlapped": self._inflight is not None,  # the next step ran while this one was processed
             }
         )
+        self.step_stats.append(stats)
+        if self.step_record is not None:
+            self.step_record.append(stats)
+        self.num_steps += 1
+        self.num_overlapped_steps += stats["overlapped"]
         return events
 
     def _attach_drafts(self, scheduled) -> None:
@@ -374,8 +458,8 @@ class LLMEngine:
             if prop.tokens:
                 s.proposal = Proposal(prop.tokens[: s.num_lookahead],
                                       None if prop.probs is None else prop.probs[: s.num_lookahead])
-        if not self.drafter.alive:
-            self.set_speculation(False)
+        if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
+            self._apply_speculation()
 
     def rebalance_now(self) -> None:
         """Rebalance experts at the next step (world > 1), whatever the interval."""
@@ -384,6 +468,11 @@ class LLMEngine:
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation on or off for every request, at run time."""
+        self._speculation_wanted = bool(enabled)
+        self._apply_speculation()
+
+    def _apply_speculation(self) -> None:
+        enabled = self._speculation_wanted
         for g in self.schedulers:
             g.speculation_enabled = bool(enabled) and self.drafter is not None and self.drafter.alive
 

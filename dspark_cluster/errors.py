@@ -25,3 +25,24 @@ class CheckpointError(DSparkError, ValueError):
 
 class RequestError(DSparkError, ValueError):
     """A request is invalid: bad prompt or sampling parameters. Other requests keep running."""
+
+
+class EngineError(DSparkError):
+    """The engine (not the request) failed: a worker died, or it is restarting or stopped.
+    The message is safe to show to clients."""
+
+
+class WorkerError(EngineError):
+    """A target worker died or stopped answering. The engine restarts the workers (up to
+    `parallel.max_restarts`) and re-runs the requests in flight; the cause goes to the log."""
+
+
+class StepError(EngineError):
+    """A step failed for a reason other than a lost worker (an error raised while building or running
+    it): the requests in that step fail, the engine and every other request go on. `request_ids`
+    names them; the cause (chained) goes to the log, not to clients."""
+
+    def __init__(self, request_ids, cause: BaseException):
+        self.request_ids = list(request_ids)
+        super().__init__(f"the step running this request failed ({type(cause).__name__}); other requests "
+                         "continue; see the server log")

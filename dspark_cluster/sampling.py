@@ -6,28 +6,33 @@ depends only on the request and where it is, not on batch composition, preemptio
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import RequestError
 
+INT64_MAX = 2**63 - 1  # seeds, top_k and token ids travel to the workers as int64 tensors
+MAX_TOKENS_LIMIT = 2**31
+
 
 class SamplingParams(BaseModel):
     """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable the filters."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # floats must be finite
 
-    max_tokens: int = Field(16, ge=1)
+    # every bound is what the engine can represent: the step input carries these as int64 / fp32
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: Optional[int] = Field(None, ge=0)
-    stop_token_ids: tuple[int, ...] = ()
+    top_k: int = Field(0, ge=0, le=INT64_MAX)
+    seed: Optional[int] = Field(None, ge=0, le=INT64_MAX)
+    stop_token_ids: tuple[Annotated[int, Field(ge=0, le=INT64_MAX)], ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # per-request switch for speculative decoding
-    num_speculative_tokens: Optional[int] = Field(None, ge=0)  # per-request k (capped by the config's)
+    # per-request k (capped by the config's)
+    num_speculative_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
 
     def __init__(self, **kwargs):
         try:

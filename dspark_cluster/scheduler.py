@@ -66,12 +66,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> list[Sequence]:
+    def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
         """Remove a request wherever it is and free its blocks; returns the removed sequences."""
         removed = [s for s in list(self.waiting) + self.running if s.request_id == request_id]
         for s in removed:
-            self._finish(s, "abort")
+            self._finish(s, reason)
         return removed
+
+    def requeue_all(self, block_manager: BlockManager) -> None:
+        """The workers were replaced (their KV is gone): every running sequence goes back to the
+        front of the queue, oldest first, to recompute its prompt and output so far into the new
+        pool. Not counted as preemptions."""
+        for seq in reversed(self.running):
+            seq.status = SeqStatus.WAITING
+            seq.num_computed_tokens, seq.num_pending = 0, 0
+            self.waiting.appendleft(seq)
+        for seq in self.waiting:
+            seq.num_computed_tokens = 0
+        self.running = []
+        self.blocks = block_manager
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:

@@ -10,20 +10,33 @@ requests, which frees their KV blocks.
 Beyond OpenAI's fields, requests accept (top level or inside `extra_body`): `speculative` (bool,
 default true: speculative decoding for this request), `top_k`, `ignore_eos`, `stop_token_ids`.
 
-    dspark serve [CONFIG] --host 127.0.0.1 --port 8000 --api-key KEY
+Hardening at the edge: bodies over `max_body_bytes` get a 413 before they are parsed (Content-Length
+first, then counted while a chunked body is read); JSON nested deeper than 64 levels, lists longer
+than max(max_model_len, 4096), strings UTF-8 cannot carry (lone surrogates) and numbers the engine
+cannot represent (seed / top_k / token ids outside int64, non-finite floats) get a 400 naming the
+field. Parsing, chat templating and tokenisation run in a small thread pool, so a large request
+never stalls `/health` or other streams.
+Clients never see internals: an unexpected failure is logged with its request id (also sent as the
+`x-request-id` header) and answered with a message naming only the problem; an engine failure is a
+503. `/health` is 503 while the engine is restarting or has failed.
+
+    dspark serve [CONFIG] --host 127.0.0.1 --port 8000 --api-key KEY --max-body-mb 8
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import os
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +44,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import DSparkError, RequestError
-from .sampling import SamplingParams
+from .errors import ConfigError, EngineError, RequestError
+from .sampling import INT64_MAX, MAX_TOKENS_LIMIT, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # 8 MiB
+MAX_JSON_DEPTH = 64  # nesting levels a request body may have (OpenAI bodies need about 6)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 2048  # checked against the text on every token, on the event loop
+MAX_STOP_TOKEN_IDS = 1024  # checked by the engine on every token
+HTTP_THREADS = 4  # the pool that parses, templates and tokenises (off the event loop)
+REQUEST_ID_KEY = "dspark.request_id"  # in the ASGI scope; also the x-request-id response header
+
+# errors whose text is ours and safe to show a client; any other exception's text stays in the log
+_SAFE_ERRORS = (RequestError, ConfigError, EngineError)
 
 # ---------------------------------------------------------------------------------------------
 # errors
@@ -50,9 +75,37 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, headers: Optional[dict] = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return _AsciiJSON(self.body(), status_code=self.status, headers=headers or None)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: a message quoting the client's input cannot
+    fail to encode (a lone surrogate is legal in JSON but not in UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """A client-supplied string, short enough to quote in an error message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _request_id(scope) -> str:
+    return scope.get(REQUEST_ID_KEY) or "-"
+
+
+def _engine_failure_message(exc: BaseException, request_id: str) -> str:
+    """What a client is told when generation fails: our own messages as they are, anything else
+    (which may name actors, PIDs, addresses) only as a pointer to the server log."""
+    if isinstance(exc, _SAFE_ERRORS):
+        return f"generation failed: {exc}"
+    return f"generation failed: the engine hit an internal error (request id {request_id}; see the server log); " \
+           "retry the request"
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
@@ -71,7 +124,7 @@ def _param_of(loc) -> Optional[str]:
 
 def _validation_error(errors: list[dict]) -> APIError:
     problems, params = [], []
-    for err in errors:
+    for err in errors[:8]:
         param = _param_of(err.get("loc", ()))
         if param not in params:
             params.append(param)
@@ -92,9 +145,10 @@ _EXTENSIONS = ("speculative", "top_k", "ignore_eos", "stop_token_ids")
 
 
 class _Body(BaseModel):
-    """Unknown fields are ignored; known ones must have the right JSON type (strict: "5" is not 5)."""
+    """Unknown fields are ignored; known ones must have the right JSON type (strict: "5" is not 5);
+    floats must be finite (Python's json accepts NaN and Infinity)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -114,8 +168,10 @@ class _SamplingFields(_Body):
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = Field(None, ge=0)
+    stop: Union[Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+                Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)],
+                None] = None
+    seed: Optional[int] = Field(None, ge=0, le=INT64_MAX)  # choice i samples with seed + i (checked in parse)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
@@ -123,14 +179,15 @@ class _SamplingFields(_Body):
     user: Optional[str] = None
     # extensions (vLLM-style)
     speculative: bool = True
-    top_k: Optional[int] = Field(None, ge=0)
+    top_k: Optional[int] = Field(None, ge=0, le=INT64_MAX)  # the engine also refuses top_k > vocabulary
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0, le=INT64_MAX)]]] = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
@@ -150,8 +207,8 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
@@ -195,6 +252,8 @@ class ServerMetrics:
         self.waiting = Gauge("dspark_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.preemptions = Gauge("dspark_preemptions", "Preemptions since the engine started", registry=r)
         self.streams_open = Gauge("dspark_http_streams_open", "Streaming responses in progress", registry=r)
+        self.engine_up = Gauge("dspark_engine_up", "1 while the engine serves (state ok), else 0", registry=r)
+        self.engine_restarts = Gauge("dspark_engine_restarts", "Engine restarts after worker failures", registry=r)
 
     def set_stats(self, s: dict) -> None:
         self.kv_used.set(s.get("kv_blocks_used", 0))
@@ -202,11 +261,14 @@ class ServerMetrics:
         self.running.set(s.get("running", 0))
         self.waiting.set(s.get("waiting", 0))
         self.preemptions.set(s.get("preemptions", 0))
+        self.engine_restarts.set(s.get("restarts") or 0)
+        self.engine_up.set(1 if (s.get("state") or "ok") == "ok" else 0)
 
 
 class _CountRequests:
-    """Pure ASGI middleware (streaming and disconnects pass through untouched): counts requests
-    by endpoint and status code."""
+    """Pure ASGI middleware (streaming and disconnects pass through untouched): gives each request
+    an id (scope[REQUEST_ID_KEY], the `x-request-id` response header, the key to the server log)
+    and counts requests by endpoint and status code (499: the client left before any answer)."""
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
@@ -214,19 +276,74 @@ class _CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        request_id = scope[REQUEST_ID_KEY] = f"req-{uuid.uuid4().hex[:20]}"
         path = scope.get("path", "")
         endpoint = path if path in _ENDPOINTS else "other"
-        status = {"code": 500}
+        status = {"code": None}
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
+        except BaseException:
+            status["code"] = status["code"] or 500
+            raise
         finally:
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.requests.labels(endpoint, str(status["code"] or 499)).inc()
+
+
+class _LimitBody:
+    """Pure ASGI middleware: a body over `max_bytes` gets a 413 before anything parses it. The
+    Content-Length header is checked first; a chunked body is counted while it is read. The body
+    is read here (never more than `max_bytes` + one chunk) and handed on in one piece."""
+
+    def __init__(self, app, max_bytes: Optional[int]):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.max_bytes:
+            return await self.app(scope, receive, send)
+        length = None
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                with contextlib.suppress(ValueError):
+                    length = int(value)
+        if length is not None and length > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body arrived
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then disconnects, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        mib = self.max_bytes / 2**20
+        err = APIError(413, f"the request body is larger than this server's limit of {mib:g} MiB "
+                            f"({self.max_bytes} bytes); send a smaller request", code="request_too_large")
+        # no "Connection: close": closing with the rest of the body unread resets the connection, and
+        # the client, still sending, may never see this answer; uvicorn reads and drops the rest instead
+        await err.response()(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,19 +520,128 @@ def _sse(obj) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# parsing untrusted bodies
+# ---------------------------------------------------------------------------------------------
+
+
+def _path(parts) -> Optional[str]:
+    return ".".join(_clip(str(p), 40) for p in parts) or None
+
+
+def _utf8_ok(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" is legal JSON)
+        return False
+    return True
+
+
+def _check_json(data: Any, max_items: int, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Bound the nesting depth and the length of lists, and refuse strings UTF-8 cannot carry,
+    naming the field. Iterative: no recursion, whatever the input."""
+    stack = [(data, 1, ())]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > max_depth:
+            raise APIError(400, f"the request body nests deeper than {max_depth} levels (at {_path(where)})",
+                           code="invalid_json", param=_path(where))
+        if isinstance(node, list) and len(node) > max_items:
+            raise APIError(400, f"{_path(where) or 'body'}: {len(node)} items; at most {max_items}",
+                           code="invalid_value", param=_path(where))
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(key, str) and not _utf8_ok(key):
+                raise APIError(400, f"{_path(where) or 'body'}: a key is not valid Unicode (a lone surrogate "
+                                    "such as \\ud800); send UTF-8 text", code="invalid_value", param=_path(where))
+            if isinstance(value, str):
+                if not _utf8_ok(value):
+                    param = _path((*where, key))
+                    raise APIError(400, f"{param}: not valid Unicode (it holds a lone surrogate such as \\ud800); "
+                                        "send UTF-8 text", code="invalid_value", param=param)
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, (*where, key)))
+
+
+def _load_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:  # e.g. an integer literal of more than 4300 digits
+        raise APIError(400, "the request body holds a number too long to read", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_type")
+    return data
+
+
+def _truncate_lists(node: Any, keep: int) -> Any:
+    """A copy with every list cut to its first `keep` items (the body is at most 64 levels deep)."""
+    if isinstance(node, dict):
+        return {k: _truncate_lists(v, keep) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_truncate_lists(v, keep) for v in node[:keep]]
+    return node
+
+
+def _validate(model_cls, data: dict):
+    """model_cls.model_validate, with a 400 naming the first problems. Listing every problem of a
+    list with hundreds of thousands of bad items takes seconds: past 20,000 problems, the first
+    ones are found again in a copy with short lists."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        count = e.error_count()
+        if count <= 20_000:
+            raise _validation_error(e.errors(include_url=False)) from None
+    try:
+        model_cls.model_validate(_truncate_lists(data, 8))
+    except ValidationError as e:
+        first = _validation_error(e.errors())
+        raise APIError(400, f"{count} problems, among them: {first.message}", code=first.code,
+                       param=first.param) from None
+    raise APIError(400, f"the request body has {count} invalid values (deep inside a list); check the types "
+                        "of the list items", code="invalid_value")
+
+
+# ---------------------------------------------------------------------------------------------
 # the app
 # ---------------------------------------------------------------------------------------------
 
 
 def build_app(client, served_model_name: str, api_key: Optional[str] = None,
-              max_model_len: Optional[int] = None) -> FastAPI:
-    """The FastAPI app over `client` (an EngineClient). `max_model_len` defaults to the client's."""
+              max_model_len: Optional[int] = None, max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
+              health_timeout_s: float = 5.0) -> FastAPI:
+    """The FastAPI app over `client` (an EngineClient). `max_model_len` defaults to the client's;
+    bodies over `max_body_bytes` get a 413 (None or 0: no limit)."""
     max_model_len = int(max_model_len or client.max_model_len)
     metrics = ServerMetrics()
     created = int(time.time())
-    app = FastAPI(title="DSpark Cluster", description="OpenAI-compatible MoE serving", docs_url=None, redoc_url=None)
+    pool = ThreadPoolExecutor(max_workers=HTTP_THREADS, thread_name_prefix="dspark-http")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="DSpark Cluster", description="OpenAI-compatible MoE serving", docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     app.state.client, app.state.metrics, app.state.served_model_name = client, metrics, served_model_name
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.max_body_bytes = max_body_bytes
+    app.add_middleware(_LimitBody, max_bytes=max_body_bytes)
+    app.add_middleware(_CountRequests, metrics=metrics)  # added last: outermost, so it sees the 413s too
+
+    async def off_loop(fn: Callable, *args):
+        """CPU work on a request (parsing, chat templates, tokenisation) in the pool, so the event
+        loop keeps serving /health and the other streams meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     # ---- errors in OpenAI's shape ----------------------------------------------------------
     @app.exception_handler(APIError)
@@ -433,7 +659,10 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        rid = _request_id(request.scope)
+        logger.error("internal error on %s %s (request id %s)", request.method, request.url.path, rid, exc_info=exc)
+        return APIError(500, f"internal error (request id {rid}); see the server log", type="server_error",
+                        code="internal_error").response(headers={"x-request-id": rid})
 
     # ---- helpers -----------------------------------------------------------------------------
     def check_auth(request: Request) -> None:
@@ -445,26 +674,25 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             msg = "missing API key: send 'Authorization: Bearer <key>'" if not header else "incorrect API key provided"
             raise APIError(401, msg, code="invalid_api_key")
 
-    async def parse(request: Request, model_cls):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
-                           code="invalid_type")
-        try:
-            req = model_cls.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e.errors()) from None
+    def parse(body: bytes, model_cls):
+        """JSON -> a validated request body (in the pool: big bodies take a while)."""
+        data = _load_json(body)
+        p = data.get("prompt")
+        if isinstance(p, list) and len(p) >= max_model_len and type(p[0]) is int:
+            raise too_long(str(len(p)), "prompt")  # token ids: no need to look at each
+        _check_json(data, max_items=max(max_model_len, 4096))
+        req = _validate(model_cls, data)
         if req.model != served_model_name:
-            raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
-                           code="model_not_found", param="model")
+            raise APIError(400, f"the model '{_clip(req.model)}' does not exist; this server serves "
+                                f"'{served_model_name}'", code="model_not_found", param="model")
         if req.presence_penalty or req.frequency_penalty:
             param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{param}: not supported by this server; leave it at 0", param=param,
                            code="unsupported_parameter")
+        if req.seed is not None and req.seed > INT64_MAX - (req.n - 1):
+            raise APIError(400, f"seed: {req.seed} with n={req.n}: choice i samples with seed + i, which must stay "
+                                f"at most 2**63 - 1; use a seed of at most {INT64_MAX - (req.n - 1)}",
+                           param="seed", code="invalid_value")
         return req
 
     def tokenizer_or_400(what: str):
@@ -474,16 +702,39 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                                 "send token ids to /v1/completions instead", param="prompt")
         return tok
 
+    def too_long(n: str, param: str) -> APIError:
+        return APIError(
+            400,
+            f"{param}: {n} tokens, but this model's maximum context length is {max_model_len} "
+            "(the prompt plus at least one new token); shorten the prompt",
+            code="context_length_exceeded", param=param,
+        )
+
+    def encode(tok, text: str, **kw) -> list[int]:
+        try:
+            return list(tok(text, **kw)["input_ids"])
+        except RuntimeError as e:  # a fast tokenizer used from two threads while one reconfigures it
+            if "borrow" not in str(e):
+                raise
+            return list(tok(text, **kw)["input_ids"])
+
+    def tokenize(tok, text: str, param: str, **kw) -> list[int]:
+        """Token ids of `text`; a text far over the context length is refused after tokenising
+        only its head (a token never spans the cut by more than a few ids; 16 are allowed)."""
+        head_chars = max(64 * max_model_len, 1 << 16)
+        if len(text) > head_chars:
+            head = encode(tok, text[:head_chars], **kw)
+            if len(head) >= max_model_len + 16:
+                raise too_long(f"more than {len(head) - 16}", param)
+        return encode(tok, text, **kw)
+
     def check_len(ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, f"{param}: empty; give at least one token", param=param)
         if len(ids) >= max_model_len:
-            raise APIError(
-                400,
-                f"{param}: {len(ids)} tokens, but this model's maximum context length is {max_model_len} "
-                "(the prompt plus at least one new token); shorten the prompt",
-                code="context_length_exceeded", param=param,
-            )
+            raise too_long(str(len(ids)), param)
+        if not all(0 <= t <= INT64_MAX for t in ids):  # the engine names those outside its vocabulary
+            raise APIError(400, f"{param}: token ids must be in [0, 2**63 - 1]", param=param, code="invalid_value")
 
     def sampling(req, max_tokens: int, i: int) -> SamplingParams:
         try:
@@ -500,14 +751,23 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         except RequestError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    async def start(req, prompts: list[list[int]], max_tokens: list[int], prefix: str) -> tuple[str, _Generation]:
+    def engine_failed(exc: BaseException, request: Request, what: str) -> APIError:
+        """An exception out of the engine -> a 503 whose message names the problem, not internals."""
+        rid = _request_id(request.scope)
+        log = logger.warning if isinstance(exc, EngineError) else logger.error
+        log("%s failed (request id %s): %s: %s", what, rid, type(exc).__name__, exc,
+            exc_info=None if isinstance(exc, EngineError) else exc)
+        return APIError(503, _engine_failure_message(exc, rid), type="server_error", code="engine_unavailable")
+
+    async def start(request: Request, req, prompts: list[list[int]], max_tokens: list[int],
+                    prefix: str) -> tuple[str, _Generation]:
         """Submit every choice (prompt-major, n per prompt); on a refusal abort the ones queued."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         jobs, submitted = [], []
         arrival = time.monotonic()
+        params = [sampling(req, mt, i) for mt in max_tokens for i in range(req.n)]
         try:
-            params = [sampling(req, mt, i) for mt in max_tokens for i in range(req.n)]
             for p, ids in enumerate(prompts):
                 for i in range(req.n):
                     index = p * req.n + i
@@ -520,18 +780,28 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 client.abort(r)
             if isinstance(e, RequestError):
                 raise APIError(400, str(e), code="invalid_value") from None
+            if isinstance(e, Exception) and not isinstance(e, APIError):
+                raise engine_failed(e, request, f"submitting {rid}") from None
             raise
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         return rid, _Generation(client, metrics, jobs, arrival, req.n)
 
     async def collect_unless_gone(request: Request, gen: _Generation) -> list[_Job]:
-        """Collect the output; if the client disconnects first, cancel (which aborts the requests)."""
+        """Collect the output; if the client disconnects first, cancel (which aborts the requests).
+        An engine failure is a 503 with a message safe to show."""
         task = asyncio.ensure_future(gen.collect())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except RequestError as e:
+                        raise APIError(400, str(e), code="invalid_value") from None
+                    except APIError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 -- the engine failed this request
+                        raise engine_failed(e, request, f"generating {gen.jobs[0].request_id}") from None
                 if await request.is_disconnected():
                     raise APIError(499, "client closed the request", code="client_closed")
         finally:
@@ -540,10 +810,10 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def sse_events(gen: _Generation, base: dict, include_usage: bool, chunks, first=()):
+    async def sse_events(request: Request, gen: _Generation, base: dict, include_usage: bool, chunks, first=()):
         """The SSE body of a streamed completion: `first` choices, then each delta's choices from
         `chunks(index, delta)`, the usage chunk when asked, and [DONE]; an engine error ends it
-        with an error event."""
+        with an error event (its message safe to show; the details go to the log)."""
         metrics.streams_open.inc()
         extra = {"usage": None} if include_usage else {}
         try:
@@ -556,29 +826,39 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": gen.usage()})
             yield "data: [DONE]\n\n"
-        except DSparkError as e:
-            yield stream_error(e)
+        except Exception as e:  # noqa: BLE001 -- the status line is sent; tell the client in the stream
+            yield _sse(engine_failed(e, request, f"streaming {base['id']}").body())
         finally:
             metrics.streams_open.dec()
 
-    def stream_error(e: BaseException) -> str:
-        return _sse(APIError(500, f"generation failed: {e}", type="server_error").body())
-
     # ---- routes ------------------------------------------------------------------------------
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         try:
-            s = await asyncio.wait_for(client.stats(), timeout=5)
+            s = await asyncio.wait_for(client.stats(), timeout=health_timeout_s)
         except Exception as e:  # noqa: BLE001
-            return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
-        return {"status": "ok", "running": s.get("running"), "waiting": s.get("waiting")}
+            logger.warning("health: the engine's stats failed (request id %s): %s: %s", _request_id(request.scope),
+                           type(e).__name__, e)
+            reason = "the engine did not answer in time" if isinstance(e, asyncio.TimeoutError) \
+                else "the engine did not answer; see the server log"
+            return _AsciiJSON({"status": "unavailable", "reason": reason}, status_code=503)
+        state = str(s.get("state") or "ok")
+        if state != "ok":
+            reason = s.get("error") or {"restarting": "the engine is restarting after a worker failure",
+                                        "failed": "the engine failed and stopped serving"}.get(state, state)
+            return _AsciiJSON({"status": state, "reason": _clip(str(reason), 500), "restarts": s.get("restarts", 0)},
+                              status_code=503)
+        return {"status": "ok", "running": s.get("running"), "waiting": s.get("waiting"),
+                "restarts": s.get("restarts", 0)}
 
     @app.get("/metrics")
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        with contextlib.suppress(Exception):
-            metrics.set_stats(await asyncio.wait_for(client.stats(), timeout=5))
+        try:
+            metrics.set_stats(await asyncio.wait_for(client.stats(), timeout=health_timeout_s))
+        except Exception:  # noqa: BLE001 -- an engine that does not answer is down
+            metrics.engine_up.set(0)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
@@ -594,13 +874,12 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
     async def get_model(model_id: str, request: Request):
         check_auth(request)
         if model_id != served_model_name:
-            raise APIError(404, f"the model '{model_id}' does not exist", code="model_not_found", param="model")
+            raise APIError(404, f"the model '{_clip(model_id)}' does not exist", code="model_not_found", param="model")
         return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        check_auth(request)
-        req: CompletionRequest = await parse(request, CompletionRequest)
+    def prepare_completion(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+        """(in the pool) the validated request and its prompts as token ids."""
+        req: CompletionRequest = parse(body, CompletionRequest)
         for field in ("logprobs", "suffix"):
             if getattr(req, field) is not None:
                 raise APIError(400, f"{field}: not supported by this server", param=field, code="unsupported_parameter")
@@ -610,6 +889,9 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             raise APIError(400, "best_of: not supported by this server (use n)", param="best_of",
                            code="unsupported_parameter")
         p = req.prompt
+        num_prompts = len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
+        if num_prompts * req.n > 256:
+            raise APIError(400, f"{num_prompts} prompts x n={req.n}: at most 256 choices per request", param="n")
         if isinstance(p, str):
             texts = [p]
         elif p and all(isinstance(x, str) for x in p):
@@ -618,16 +900,20 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             texts = None
         if texts is not None:
             tok = tokenizer_or_400("a text prompt")
-            prompts = [list(tok(t)["input_ids"]) for t in texts]
+            prompts = [tokenize(tok, t, "prompt" if len(texts) == 1 else f"prompt.{k}") for k, t in enumerate(texts)]
         elif p and isinstance(p[0], list):
             prompts = [list(x) for x in p]
         else:
             prompts = [list(p)]
-        if len(prompts) * req.n > 256:
-            raise APIError(400, f"{len(prompts)} prompts x n={req.n}: at most 256 choices per request", param="n")
         for k, ids in enumerate(prompts):
             check_len(ids, "prompt" if len(prompts) == 1 else f"prompt.{k}")
-        rid, gen = await start(req, prompts, [req.max_tokens or 16] * len(prompts), "cmpl")
+        return req, prompts
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        req, prompts = await off_loop(prepare_completion, await request.body())
+        rid, gen = await start(request, req, prompts, [req.max_tokens or 16] * len(prompts), "cmpl")
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -636,16 +922,15 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 if d.text or d.finish_reason is not None:
                     yield {"index": index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
 
-            return _SSEResponse(sse_events(gen, base, include_usage, chunks))
+            return _SSEResponse(sse_events(request, gen, base, include_usage, chunks))
 
         jobs = await collect_unless_gone(request, gen)
         choices = [{"index": j.index, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason} for j in jobs]
         return {**base, "choices": choices, "usage": gen.usage()}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        check_auth(request)
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    def prepare_chat(body: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """(in the pool) the validated request and its templated prompt as token ids."""
+        req: ChatCompletionRequest = parse(body, ChatCompletionRequest)
         if req.logprobs:
             raise APIError(400, "logprobs: not supported by this server", param="logprobs", code="unsupported_parameter")
         if req.tools:
@@ -664,7 +949,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 texts = []
                 for part in content:
                     if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages.{k}.content: only text parts are supported, got {part.type!r}",
+                        raise APIError(400, f"messages.{k}.content: only text parts are supported, "
+                                            f"got {_clip(part.type)!r}",
                                        param=f"messages.{k}.content", code="unsupported_content")
                     texts.append(part.text)
                 content = "".join(texts)
@@ -675,11 +961,19 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 -- a template that refuses these messages
-            raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            logger.info("the chat template refused a request: %s: %s", type(e).__name__, e)
+            raise APIError(400, f"messages: the chat template refused them: {_clip(str(e), 200)}",
+                           param="messages") from None
+        ids = tokenize(tok, text, "messages", add_special_tokens=False)
         check_len(ids, "messages")
+        return req, ids
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req, ids = await off_loop(prepare_chat, await request.body())
         max_tokens = req.max_completion_tokens or req.max_tokens or (max_model_len - len(ids))
-        rid, gen = await start(req, [ids], [max_tokens], "chatcmpl")
+        rid, gen = await start(request, req, [ids], [max_tokens], "chatcmpl")
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -693,7 +987,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
 
             role = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None} for j in gen.jobs]  # the role first, as OpenAI does
-            return _SSEResponse(sse_events(gen, base, include_usage, chunks, first=role))
+            return _SSEResponse(sse_events(request, gen, base, include_usage, chunks, first=role))
 
         jobs = await collect_unless_gone(request, gen)
         choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text}, "logprobs": None,
@@ -708,20 +1002,27 @@ def default_model_name(cfg) -> str:
 
 
 def serve(cfg, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-          served_model_name: Optional[str] = None, log_level: str = "info") -> None:
+          served_model_name: Optional[str] = None, log_level: str = "info",
+          max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES) -> None:
     """Start the engine the config asks for (in process or a Router actor) and serve it until
     interrupted; the engine is shut down on the way out."""
     import uvicorn
 
     from .client import EngineClient
 
+    if not logging.getLogger("dspark_cluster").handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("dspark_cluster").addHandler(handler)
+        logging.getLogger("dspark_cluster").setLevel(log_level.upper())
     name = served_model_name or default_model_name(cfg)
     client = EngineClient.start(cfg)
     try:
-        app = build_app(client, name, api_key=api_key)
+        app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes)
         auth = "on" if api_key else "off"
+        limit = f"{max_body_bytes / 2**20:g} MiB" if max_body_bytes else "none"
         print(f"dspark serve: model '{name}' ({cfg.parallel.executor} executor) on http://{host}:{port}/v1 "
-              f"(API key {auth}, max_model_len {client.max_model_len})", flush=True)
+              f"(API key {auth}, max_model_len {client.max_model_len}, body limit {limit})", flush=True)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         client.shutdown()

@@ -109,6 +109,28 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _ray_nodes_stay_up(request):
+    """After each test that used the session's Ray: both simulated nodes must still be alive. A
+    raylet that died (e.g. ray#63229, a compiled-graph channel written after its teardown) is
+    reported at the test that killed it, with the raylet's own last words, instead of as confusing
+    failures in every later test."""
+    yield
+    if "ray_cluster" not in request.fixturenames:
+        return
+    import glob
+
+    import ray
+
+    dead = [n for n in ray.nodes() if not n.get("Alive")]
+    if dead:
+        lines = []
+        for log in glob.glob("/tmp/ray/session_latest/logs/raylet*.out"):
+            with open(log, errors="replace") as f:
+                lines += [line.strip() for line in f if "Check failed" in line or " F " in line][:3]
+        pytest.fail(f"{len(dead)} Ray node(s) died during this test; raylet logs: {lines or 'nothing found'}")
+
+
 def alive_actors(class_name: str) -> int:
     from ray.util.state import list_actors
 

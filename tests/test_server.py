@@ -1,9 +1,13 @@
 """The OpenAI-compatible server (issue 8), exercised with the official `openai` client against a
 real uvicorn server on loopback: streaming, usage, stop / seed / n, auth, bad input, disconnects,
-32 concurrent streams, and serving through the Router actor."""
+32 concurrent streams, and serving through the Router actor. Hardening at the edge: numbers the
+engine cannot represent, lone surrogates, deep nesting and oversized bodies are refused; /health
+answers while a big prompt is tokenised and is 503 when the engine is not ok; errors never show a
+client the internals."""
 
 import asyncio
 import json
+import logging
 import shutil
 import socket
 import threading
@@ -21,6 +25,7 @@ from dspark_cluster.server import build_app
 KEY = "test-key-123"
 MODEL = "tiny-moe-test"
 MAX_MODEL_LEN = 256
+BODY_LIMIT = 4 * 2**20  # the served app's max_body_bytes
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant{% endif %}"
@@ -121,7 +126,7 @@ def served(chat_checkpoint):
     })
     client = EngineClient.start(cfg)
     assert client.kind == "local" and client.max_model_len == MAX_MODEL_LEN
-    server = ServerThread(build_app(client, MODEL, api_key=KEY)).start()
+    server = ServerThread(build_app(client, MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT)).start()
     try:
         yield Served(server.url, client)
     finally:
@@ -382,16 +387,17 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(served):
     assert all(m["finish_reason"] == "abort" for m in list(engine.finished) if m["request_id"].startswith(rid))
     wait_kv_free(served.url)
 
-    # a non-streamed request whose client gives up is cancelled too
-    seen = len(engine.finished)
+    # a non-streamed request whose client gives up is cancelled too (the finished log is bounded:
+    # look for the new entries, not at its length)
+    seen = {m["request_id"] for m in list(engine.finished)}
     with pytest.raises(httpx.ReadTimeout):
         served.post("/v1/completions", {"model": MODEL, "prompt": "w6", "max_tokens": 240, "n": 4, "ignore_eos": True},
                     timeout=httpx.Timeout(10, read=0.1))
     deadline = time.monotonic() + 20
-    while len(engine.finished) < seen + 4:
+    while len(new := [m for m in list(engine.finished) if m["request_id"] not in seen]) < 4:
         assert time.monotonic() < deadline, "the non-streamed request was not cancelled"
         time.sleep(0.02)
-    assert [m["finish_reason"] for m in list(engine.finished)[seen:]] == ["abort"] * 4
+    assert [m["finish_reason"] for m in new] == ["abort"] * 4
     wait_kv_free(served.url)
 
 
@@ -442,6 +448,361 @@ def test_32_concurrent_streaming_clients(served):
     assert results[0][0] == chat_ref.choices[0].message.content
     wait_kv_free(served.url)
     assert metric(served.url, "dspark_http_time_to_first_token_seconds_count") >= 32
+
+
+# ---- hardening at the edge ---------------------------------------------------------------------
+
+
+def _still_serving(served):
+    """A normal request right after a bad one: the engine did not stop."""
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2, "temperature": 0,
+                                        "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{served.url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_numbers_the_engine_cannot_represent_get_400(served):
+    """seed / top_k / stop_token_ids beyond int64, seed + i overflowing for n choices, huge
+    max_tokens, non-finite floats: a 400 naming the field, and the engine keeps serving."""
+    i64 = 2**63 - 1
+    cases = [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": i64, "n": 2}, "seed"),  # choice 1 would sample with seed 2**63
+        ({"seed": i64 - 2, "n": 4}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": 2**64 + 5}, "top_k"),
+        ({"stop_token_ids": [3, 2**63]}, "stop_token_ids.1"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"max_tokens": 2**31 + 1}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+    ]
+    for extra, param in cases:
+        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
+                                                     "max_tokens": 2})):
+            if path.endswith("chat/completions") and param == "max_tokens":
+                extra = {"max_completion_tokens": 2**31 + 1}
+                param = "max_completion_tokens"
+            for stream in (False, True):
+                _assert_400(served.post(path, {**body, **extra, "stream": stream}), param=param)
+        _still_serving(served)
+    # the edges themselves are fine: seed 2**63 - 1 for one choice, 2**63 - 2 for two
+    for seed, n in ((i64, 1), (i64 - 1, 2)):
+        r = served.post("/v1/completions", {"model": MODEL, "prompt": "w1 w2", "max_tokens": 3, "seed": seed, "n": n,
+                                            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3 * n
+
+    # NaN and Infinity are JSON to Python's parser; not to the engine
+    for field, literal in (("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"),
+                           ("presence_penalty", "-Infinity")):
+        raw = f'{{"model": "{MODEL}", "prompt": "w1", "max_tokens": 2, "{field}": {literal}}}'.encode()
+        _assert_400(served.post("/v1/completions", content=raw), param=field)
+        _still_serving(served)
+    # an integer literal too long for Python's int parser, inside the prompt's token ids
+    raw = f'{{"model": "{MODEL}", "prompt": [{"9" * 5000}]}}'.encode()
+    _assert_400(served.post("/v1/completions", content=raw), code="invalid_json")
+    _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": [3, 2**64]}), param="prompt")
+    _still_serving(served)
+
+
+def test_lone_surrogates_and_deep_nesting_get_400(served):
+    # "\ud800" is legal JSON but no UTF-8 text: refused, naming the field
+    raw = f'{{"model": "{MODEL}", "prompt": "a\\ud800b", "max_tokens": 2}}'.encode()
+    _assert_400(served.post("/v1/completions", content=raw), param="prompt", code="invalid_value")
+    raw = f'{{"model": "{MODEL}", "prompt": ["w1", "w2\\udfff"], "max_tokens": 2}}'.encode()
+    _assert_400(served.post("/v1/completions", content=raw), param="prompt.1")
+    raw = (f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "w1"}}, '
+           f'{{"role": "user", "content": [{{"type": "text", "text": "\\ud83d"}}]}}]}}').encode()
+    _assert_400(served.post("/v1/chat/completions", content=raw), param="messages.1.content.0.text")
+    raw = f'{{"model": "{MODEL}", "prompt": "w1", "max_tokens": 2, "user": "x", "k\\ud800": 1}}'.encode()
+    _assert_400(served.post("/v1/completions", content=raw))
+    # a valid surrogate pair is ordinary text
+    raw = f'{{"model": "{MODEL}", "prompt": "w1 \\ud83d\\ude00", "max_tokens": 2, "ignore_eos": true}}'.encode()
+    assert served.post("/v1/completions", content=raw).status_code == 200
+    _still_serving(served)
+
+    # 100,000 levels: Python's parser gives up (RecursionError) -> 400, not 500
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = b'{"model": "' + MODEL.encode() + b'", "prompt": ' + deep + b', "messages": ' + deep + b"}"
+        _assert_400(served.post(path, content=body), code="invalid_json")
+    _assert_400(served.post("/v1/completions", content=deep), code="invalid_json")
+    # 65 levels parse, but more than 64 are refused before validation (in an ignored field, too)
+    nested = "[" * 64 + "]" * 64
+    raw = f'{{"model": "{MODEL}", "prompt": "w1", "max_tokens": 2, "metadata": {nested}}}'.encode()
+    r = served.post("/v1/completions", content=raw)
+    _assert_400(r, code="invalid_json")
+    assert "64" in r.json()["error"]["message"]
+    nested = "[" * 20 + "]" * 20
+    raw = f'{{"model": "{MODEL}", "prompt": "w1", "max_tokens": 2, "metadata": {nested}}}'.encode()
+    assert served.post("/v1/completions", content=raw).status_code == 200
+    _still_serving(served)
+
+
+def test_huge_lists_are_refused_without_listing_every_bad_item(served):
+    """A list of a million bad items must not cost a pydantic error each (that took ~40 s): lists
+    are capped at max(max_model_len, 4096) items, and past 20,000 problems only the first few
+    are looked for."""
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": [0.5] * 600_000})
+    _assert_400(r, param="prompt")
+    assert "600000 items; at most 4096" in r.json()["error"]["message"]
+    r = served.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot"}] * 5000})
+    _assert_400(r, param="messages")
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": [[0.5] * 2000] * 200})  # 400,000+ problems
+    _assert_400(r, param="prompt")
+    assert r.json()["error"]["message"].startswith("400401 problems, among them: prompt")
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": [0.5] * 3000})  # 9,000: all listed, 4 shown
+    _assert_400(r, param="prompt")
+    assert "prompt.0: Input should be a valid string" in r.json()["error"]["message"]
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": [3] * 100_000})  # token ids: too long, at once
+    _assert_400(r, param="prompt", code="context_length_exceeded")
+    _still_serving(served)
+
+
+def _assert_413(r):
+    assert r.status_code == 413, r.text[:200]
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and str(BODY_LIMIT) in err["message"]
+    assert r.headers["x-request-id"]
+
+
+def test_oversized_bodies_get_413_before_parsing(served):
+    prefix = f'{{"model": "{MODEL}", "prompt": "w1", "max_tokens": 2, "pad": "'.encode()
+    over = prefix + b"x" * (BODY_LIMIT - len(prefix) - 1) + b'"}'  # valid JSON, one byte over
+    assert len(over) == BODY_LIMIT + 1
+    # with Content-Length: refused before a byte of the body is read
+    _assert_413(served.post("/v1/completions", content=over))
+    _assert_413(served.post("/v1/chat/completions", content=b"{" * (3 * BODY_LIMIT)))
+
+    # chunked (no Content-Length): counted while read
+    def chunked(data, size=65536):
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+
+    r = served.post("/v1/completions", content=chunked(over))
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    _assert_413(r)
+    _assert_413(served.post("/v1/chat/completions", content=chunked(b" " * (2 * BODY_LIMIT))))
+
+    # at the limit it is an ordinary request, chunked or not
+    at = over[:-3] + b'"}'
+    assert len(at) == BODY_LIMIT
+    for content in (at, chunked(at)):
+        r = served.post("/v1/completions", content=content)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text[:200]
+    text = httpx.get(f"{served.url}/metrics").text
+    assert 'dspark_http_requests_total{endpoint="/v1/completions",status="413"} 2.0' in text
+    _still_serving(served)
+
+
+class _GatedTokenizer:
+    """The served tokenizer, but a long text waits for `release` (at most 30 s) before it is
+    tokenised: while it waits the server must keep answering."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, text, *args, **kw):
+        if isinstance(text, str) and len(text) > 20_000:
+            self.entered.set()
+            self.release.wait(timeout=30)
+        return self._tok(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_health_and_other_requests_answer_while_a_big_prompt_is_tokenised(served, monkeypatch):
+    gated = _GatedTokenizer(served.client.tokenizer)
+    monkeypatch.setattr(served.client, "tokenizer", gated)
+    big = " ".join(f"w{i % 150}" for i in range(800_000))  # ~3.4 MB, under the body limit
+    assert 3 * 2**20 < len(big) < BODY_LIMIT - 1000
+    done, result = threading.Event(), {}
+
+    def send_big():
+        try:
+            body = {"model": MODEL, "prompt": big, "max_tokens": 2}
+            result["r"] = served.post("/v1/completions", body, timeout=60)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=send_big, daemon=True)
+    t.start()
+    try:
+        assert gated.entered.wait(30), "the big prompt never reached the tokenizer"
+        # the tokenizer is busy with the big prompt (held until released): the event loop is not
+        r = httpx.get(f"{served.url}/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert httpx.get(f"{served.url}/metrics", timeout=5).status_code == 200
+        small = served.post("/v1/completions", {"model": MODEL, "prompt": "w7 w8", "max_tokens": 3, "temperature": 0,
+                                                "ignore_eos": True}, timeout=10)
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 3
+        assert not done.is_set(), "the big request finished before /health answered"
+    finally:
+        gated.release.set()
+        t.join(timeout=60)
+    assert done.is_set()
+    # and the big prompt gets its answer: far over the context length, found from its head alone
+    _assert_400(result["r"], param="prompt", code="context_length_exceeded")
+    assert "prompt: more than" in result["r"].json()["error"]["message"]
+
+
+# -- stub engines: failures on demand --------------------------------------------------------------
+
+SECRETS = ("ActorID(abc)", "pid=123", "10.0.0.1", "dspark-ns-secret", "Traceback")
+
+
+class _Piece:
+    def __init__(self, ids, text, finished=False, finish_reason=None):
+        self.token_ids, self.text, self.finished, self.finish_reason = ids, text, finished, finish_reason
+
+
+class StubClient:
+    """The EngineClient surface build_app uses; fails the way it is told to."""
+
+    def __init__(self, tokenizer, stats=None, submit_error=None, stream_error=None, pieces_before_error=1):
+        self.tokenizer, self.max_model_len, self.model_path = tokenizer, MAX_MODEL_LEN, "stub"
+        self._stats, self.submit_error, self.stream_error = stats, submit_error, stream_error
+        self.pieces_before_error = pieces_before_error
+        self.aborted = []
+
+    async def submit(self, prompt, params=None, request_id=None):
+        if self.submit_error is not None:
+            raise self.submit_error
+        return request_id
+
+    async def stream(self, request_id):
+        for _ in range(self.pieces_before_error):
+            yield _Piece([5], " w5")
+        if self.stream_error is not None:
+            raise self.stream_error
+        yield _Piece([6], " w6", True, "length")
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def stats(self):
+        if isinstance(self._stats, BaseException):
+            raise self._stats
+        if self._stats == "hang":
+            await asyncio.sleep(60)
+        return dict(self._stats or {})
+
+
+def _no_secrets(text: str):
+    for s in SECRETS:
+        assert s not in text, f"{s!r} leaked to the client: {text[:300]}"
+
+
+def test_errors_do_not_leak_internals(served, caplog):
+    from fastapi.testclient import TestClient
+
+    from dspark_cluster.errors import EngineError
+
+    internal = RuntimeError("worker ActorID(abc) pid=123 ip=10.0.0.1 died; namespace dspark-ns-secret")
+    body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 4}
+    caplog.set_level(logging.WARNING, logger="dspark_cluster.server")
+    for stub in (StubClient(served.client.tokenizer, stream_error=internal),
+                 StubClient(served.client.tokenizer, submit_error=internal)):
+        with TestClient(build_app(stub, MODEL), raise_server_exceptions=False) as tc:
+            for path, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+                # not streamed: a 503 in OpenAI's shape whose message points at the log
+                caplog.clear()
+                r = tc.post(path, json=b)
+                assert r.status_code == 503, r.text
+                err = r.json()["error"]
+                assert err["type"] == "server_error" and err["code"] == "engine_unavailable"
+                rid = r.headers["x-request-id"]
+                assert rid in err["message"] and "server log" in err["message"]
+                _no_secrets(r.text)
+                # ... and the log has the whole story, under the same request id
+                logged = "\n".join(rec.getMessage() + str(rec.exc_info) for rec in caplog.records)
+                assert rid in logged and "ActorID(abc)" in logged and "10.0.0.1" in logged
+                # streamed: when the engine fails before any output, still a 503 with the safe message;
+                # after output has started, an error event in the stream
+                r = tc.post(path, json={**b, "stream": True})
+                _no_secrets(r.text)
+                if stub.submit_error is not None:
+                    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+                else:
+                    assert r.status_code == 200
+                    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                    assert events[-1]["error"]["type"] == "server_error"
+                    assert r.headers["x-request-id"] in events[-1]["error"]["message"]
+                    assert "data: [DONE]" not in r.text
+        if stub.stream_error is not None:
+            assert stub.aborted  # the failed choices were aborted
+
+    # an engine failure whose message is meant for clients is shown as it is
+    restarting = EngineError("the engine is restarting after a worker failure; retry the request")
+    with TestClient(build_app(StubClient(served.client.tokenizer, stream_error=restarting), MODEL)) as tc:
+        r = tc.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "restarting after a worker failure" in r.json()["error"]["message"]
+        r = tc.post("/v1/completions", json={**body, "stream": True})
+        assert "restarting after a worker failure" in r.text
+
+    # a bug anywhere else: a 500 naming the request id, not the exception
+    class Broken:
+        chat_template = "x"
+
+        def __call__(self, *a, **k):
+            raise ValueError("tokenizer state at 0x7f00 pid=123 ip=10.0.0.1")
+
+        def apply_chat_template(self, *a, **k):
+            raise KeyError("ActorID(abc)")  # a template refusal is the client's: 400, clipped
+
+    with TestClient(build_app(StubClient(Broken()), MODEL), raise_server_exceptions=False) as tc:
+        caplog.clear()
+        r = tc.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert r.headers["x-request-id"] in r.json()["error"]["message"]
+        _no_secrets(r.text)
+        assert any("pid=123" in str(rec.exc_info) for rec in caplog.records)
+    _still_serving(served)
+
+
+def test_health_is_503_unless_the_engine_is_ok(served):
+    from fastapi.testclient import TestClient
+
+    tok = served.client.tokenizer
+    cases = [
+        ({"state": "failed", "error": "the engine stopped: a worker failed 3 times", "restarts": 3},
+         503, "failed", "a worker failed 3 times"),
+        ({"state": "restarting", "error": None, "restarts": 1}, 503, "restarting", "restarting"),
+        (RuntimeError("ActorID(abc) pid=123 ip=10.0.0.1 unreachable"), 503, "unavailable", "did not answer"),
+        ({"running": 0, "waiting": 0}, 200, "ok", None),  # no "state" yet: ok
+        ({"state": "ok", "restarts": 2, "running": 1, "waiting": 0}, 200, "ok", None),
+    ]
+    for stats, code, status, reason in cases:
+        with TestClient(build_app(StubClient(tok, stats=stats), MODEL)) as tc:
+            r = tc.get("/health")
+            assert r.status_code == code and r.json()["status"] == status, r.text
+            if reason is not None:
+                assert reason in r.json()["reason"]
+            _no_secrets(r.text)
+            text = tc.get("/metrics").text
+            up = 1.0 if code == 200 else 0.0
+            assert f"dspark_engine_up {up}" in text
+            if isinstance(stats, dict):
+                assert f"dspark_engine_restarts {float(stats.get('restarts', 0))}" in text
+    with TestClient(build_app(StubClient(tok, stats="hang"), MODEL, health_timeout_s=0.2)) as tc:
+        r = tc.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "unavailable",
+                                                     "reason": "the engine did not answer in time"}
+    # the real engine: up, no restarts
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    assert metric(served.url, "dspark_engine_up") == 1
+
+
+def test_serve_command_line_takes_a_body_limit():
+    from dspark_cluster.cli import _parser
+
+    assert _parser().parse_args(["serve", "--max-body-mb", "0.5"]).max_body_mb == 0.5
+    assert _parser().parse_args(["serve"]).max_body_mb == 8
 
 
 def test_server_still_answers_after_everything(served):

@@ -176,19 +176,23 @@ def test_data_parallel_groups_share_the_experts(tensor, data, checkpoint, ray_cl
 
 def test_a_step_past_its_timeout_fails_its_requests_loudly(checkpoint, ray_cluster):
     """parallel.step_timeout_s bounds one round to the workers: a round that does not come back in
-    time fails every request with an error (never a hang, never a silent loss), and so does the
-    engine's next request."""
+    time counts as a lost worker (restart); once parallel.max_restarts are spent every request
+    fails with an error (never a hang, never a silent loss), and so does the engine's next request."""
+    import ray
+
     from dspark_cluster import DSparkError
 
     path = checkpoint("qwen3_moe")
-    llm = LLM(path, config={"parallel": {"executor": "ray", "tensor": 1, "step_timeout_s": 0.001},
+    llm = LLM(path, config={"parallel": {"executor": "ray", "tensor": 1, "step_timeout_s": 0.001, "max_restarts": 1},
                             "scheduler": {"block_size": 4, "num_kv_blocks": 64}})
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         t0 = time.time()
-        with pytest.raises(DSparkError, match="failed"):
+        with pytest.raises(DSparkError, match="max_restarts"):
             llm.generate(random_prompts([60, 60], seed=31), params)
-        assert time.time() - t0 < 30
+        assert time.time() - t0 < 60
+        stats = ray.get(llm.router.stats.remote())
+        assert stats["state"] == "failed" and stats["restarts"] == 1
         with pytest.raises(DSparkError, match="stopped after an error"):
             llm.generate(random_prompts([5], seed=32), params)
     finally:

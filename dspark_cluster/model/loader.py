@@ -50,10 +50,17 @@ class CheckpointReader:
     def has(self, name):
         return name in self.where
 
-    def read(self, name, dim=None, start=0, length=None):
+    def read(self, name, dim=None, start=0, length=None, expect=None):
         if name not in self.where:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         sl = self._handle(self.where[name]).get_slice(name)
+        if dim is not None:  # the dimensions not split must match whole (a transposed tensor would not)
+            shape = sl.get_shape()
+            if expect is not None and (len(shape) != len(expect) or any(
+                    a != b for d, (a, b) in enumerate(zip(shape, expect)) if d != dim) or shape[dim] < start + length):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(shape)}, but this "
+                                      f"architecture needs {tuple(expect)} outside dimension {dim} and at least "
+                                      f"{start + length} along it")
         if dim is None:
             t = sl[:]
         elif dim == 0:
@@ -107,7 +114,14 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
             expert_ids = moe.expert_ids
         sources = _hf_names(name, spec, expert_ids)
         if name.endswith(".w13") or name.endswith(".w2"):
+            # per expert: gate and up [I, H] each (w13), down [H, I] (w2); a transposed tensor has the
+            # right number of elements, so each one's shape is checked before they are joined
+            part_shape = (param.shape[1] // 2, param.shape[2]) if name.endswith(".w13") else tuple(param.shape[1:])
             parts = [reader.read(s) for s in sources]
+            for s, t in zip(sources, parts):
+                if tuple(t.shape) != part_shape:
+                    raise CheckpointError(f"{reader.path}: tensor {s!r} has shape {tuple(t.shape)}, expected "
+                                          f"{part_shape} for this architecture (config.json)")
             full = torch.cat(parts, 0) if name.endswith(".w13") else torch.stack(parts)
             value = full.view(param.shape) if full.numel() == param.numel() else full
         elif tp_size > 1 and _shard_dim(model, name) is not None:
@@ -115,7 +129,7 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
             module = model.get_submodule(name.rsplit(".", 1)[0])
             dim = module.shard_dim
             length = param.shape[dim]
-            value = reader.read(sources[0], dim, (tp_rank // module.share) * length, length)
+            value = reader.read(sources[0], dim, (tp_rank // module.share) * length, length, expect=param.shape)
         else:
             value = reader.read(sources[0])
         if tuple(value.shape) != tuple(param.shape):

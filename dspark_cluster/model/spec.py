@@ -86,6 +86,23 @@ class ModelSpec:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def refuse_remote_code(path, filename: str) -> None:
+    """A checkpoint whose `filename` maps classes to its own Python code (`auto_map`) would make
+    transformers ask whether to run that code; this package never runs checkpoint code."""
+    f = Path(path) / filename
+    if not f.is_file():
+        return
+    try:
+        auto_map = json.loads(f.read_text()).get("auto_map")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{f}: not a JSON object ({e}); fix or remove the file") from None
+    if auto_map:
+        raise CheckpointError(
+            f"{f}: 'auto_map' names the checkpoint's own code ({', '.join(sorted(auto_map))}); DSpark never runs "
+            "remote code (trust_remote_code=False). Use a checkpoint of a supported architecture without auto_map"
+        )
+
+
 def load_spec(path, dtype: str = "auto") -> ModelSpec:
     """Read config.json (through transformers) into a ModelSpec. Raises CheckpointError."""
     from transformers import AutoConfig
@@ -100,7 +117,8 @@ def load_spec(path, dtype: str = "auto") -> ModelSpec:
             f"{path}: architecture {model_type!r} ({raw.get('architectures')}) is not supported; "
             f"supported model_type values: {', '.join(SUPPORTED)}"
         )
-    hf = AutoConfig.from_pretrained(str(path))
+    refuse_remote_code(path, "config.json")
+    hf = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     family = SUPPORTED[model_type]
     g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
     if g("use_sliding_window", False) or (family == "mixtral" and g("sliding_window")):
