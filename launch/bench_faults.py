@@ -1,0 +1,133 @@
+"""Kill one ShardWorker (SIGKILL) at a random moment while 64 requests stream, several times.
+
+One Router (executor ray) serves every trial. A fault-free pass first gives the reference tokens
+and the pass's duration; then each trial streams the same requests, kills a random target worker
+at a random moment inside that duration, and records: requests completed, outputs identical to the
+fault-free pass (greedy), and the time from the kill to the first token any request receives after
+it (the restart: new workers, shards loaded, requests recomputed).
+
+    python launch/bench_faults.py [--trials 10] [--requests 64] [--tensor 2] [--out runs/faults.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark_cluster import SamplingParams, load_config  # noqa: E402
+from dspark_cluster.client import EngineClient  # noqa: E402
+from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
+
+from dspark_cluster.report import machine_info  # noqa: E402
+
+
+def worker_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+
+
+async def stream_all(client: EngineClient, prompts, params):
+    """Every request's tokens and the arrival time of each of its pieces (driver clock)."""
+    arrivals: list[float] = []
+
+    async def one(p):
+        rid = await client.submit(p, params)
+        tokens = []
+        async with contextlib.aclosing(client.stream(rid)) as pieces:
+            async for piece in pieces:
+                if piece.token_ids:
+                    arrivals.append(time.monotonic())
+                tokens += piece.token_ids
+        return tokens
+
+    results = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+    return results, arrivals
+
+
+async def trial(client, prompts, params, kill_after_s: float):
+    killed = {}
+
+    async def killer():
+        await asyncio.sleep(kill_after_s)
+        pid = random.choice(worker_pids())
+        killed["at"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+    task = asyncio.create_task(killer())
+    t0 = time.monotonic()
+    results, arrivals = await stream_all(client, prompts, params)
+    await task
+    after = [t for t in arrivals if t > killed["at"]]
+    return results, {"kill_at_s": killed["at"] - t0, "duration_s": time.monotonic() - t0,
+                     "recovery_s": (min(after) - killed["at"]) if after else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="YAML (default: the bundled tiny config)")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--tensor", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/faults.json")
+    args = ap.parse_args()
+    random.seed(args.seed)
+    cfg = load_config(args.config, [f"parallel.executor=ray", f"parallel.tensor={args.tensor}",
+                                    f"parallel.max_restarts={args.trials + 1}", "eplb.enabled=false"])
+    prompts = read_prompts(DEFAULT_PROMPTS)[: args.requests]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    client = EngineClient.start(cfg)
+    rows = []
+    try:
+        base, _ = asyncio.run(stream_all(client, prompts, params))  # also warms up
+        t0 = time.monotonic()
+        base, _ = asyncio.run(stream_all(client, prompts, params))
+        clean_s = time.monotonic() - t0
+        print(f"fault-free pass: {len(prompts)} requests x {args.max_tokens} tokens in {clean_s:.2f} s", flush=True)
+        for i in range(args.trials):
+            kill_after = random.uniform(0.1, 0.9) * clean_s
+            results, row = asyncio.run(trial(client, prompts, params, kill_after))
+            stats = asyncio.run(client.stats())
+            row.update(trial=i + 1, completed=sum(not isinstance(r, BaseException) for r in results),
+                       identical=sum(r == b for r, b in zip(results, base)), restarts=stats["restarts"],
+                       state=stats["state"], kv_blocks_used=stats["kv_blocks_used"],
+                       errors=sorted({type(r).__name__ for r in results if isinstance(r, BaseException)}))
+            rows.append(row)
+            rec = f"{row['recovery_s']:.2f} s" if row["recovery_s"] is not None else "-"
+            print(f"trial {i + 1:2d}: kill at {row['kill_at_s']:.2f} s, completed {row['completed']}/{len(prompts)}, "
+                  f"identical {row['identical']}/{len(prompts)}, kill -> next token {rec}, "
+                  f"pass {row['duration_s']:.2f} s, restarts {row['restarts']}, KV used after {row['kv_blocks_used']}",
+                  flush=True)
+    finally:
+        client.shutdown()
+    recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
+    summary = {
+        "trials": len(rows), "requests_per_trial": len(prompts), "max_tokens": args.max_tokens,
+        "tensor": args.tensor, "fault_free_pass_s": clean_s,
+        "all_completed": all(r["completed"] == len(prompts) for r in rows),
+        "all_identical": all(r["identical"] == len(prompts) for r in rows),
+        "recovery_s_median": statistics.median(recoveries) if recoveries else None,
+        "recovery_s_max": max(recoveries) if recoveries else None,
+        "machine": machine_info(), "rows": rows,
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("rows", "machine")}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    sys.exit(0 if summary["all_completed"] and summary["all_identical"] else 1)
+
+
+if __name__ == "__main__":
+    main()
