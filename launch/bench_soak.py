@@ -452,6 +452,8 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=30.0, help="how long to wait for KV to drain at the end")
     ap.add_argument("--sample-interval", type=float, default=0.25)
     ap.add_argument("--out", default=str(ROOT / "runs" / "soak" / "soak.json"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the load this many times on one server (memory growth between rounds)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args()
     if args.requests < 1 or args.concurrency < 1:
@@ -470,7 +472,18 @@ def main() -> int:
         server.wait_ready(args.startup_timeout)
         print(f"server up in {time.monotonic() - t_start:.1f} s; {args.requests} requests, "
               f"{args.concurrency} clients", flush=True)
-        report = asyncio.run(soak(server, args))
+        rounds = []
+        for r in range(args.rounds):  # the same server, fresh traffic: does memory keep growing?
+            rounds.append(asyncio.run(soak(server, argparse.Namespace(**{**vars(args), "seed": args.seed + r}))))
+            if args.rounds > 1:
+                print(f"round {r + 1}/{args.rounds}: RSS end {rounds[-1]['rss_mib']['end']:.1f} MiB, "
+                      f"KV end {rounds[-1]['kv_blocks_used']['end']}, 5xx {rounds[-1]['five_xx']}", flush=True)
+        report = rounds[-1]
+        report["rounds"] = [{k: r[k] for k in ("rss_mib", "kv_blocks_used", "five_xx", "stream_errors", "requests_sent")}
+                            for r in rounds]
+        for key in ("five_xx", "stream_errors", "timeouts", "client_errors"):
+            report[key] = sum(r[key] for r in rounds)
+        report["unexpected"] = {f"round {i + 1}: {k}": v for i, r in enumerate(rounds) for k, v in r["unexpected"].items()}
     finally:
         server.stop()
     log_text = log_path.read_text(errors="replace")
