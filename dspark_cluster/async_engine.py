@@ -240,6 +240,7 @@ class AsyncEngine:
             "state": state,
             "error": reason,
             "restarts": eng.num_restarts,
+            "last_restart": eng.last_restart,
             "drafter_restarts": eng.drafter.num_restarts if eng.drafter is not None else 0,
             **eng.load(),
             "steps": eng.num_steps,

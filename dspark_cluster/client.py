@@ -14,20 +14,26 @@ that submitted it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import AsyncIterator, Optional
 
 from .config import Config
-from .errors import DSparkError
+from .errors import DSparkError, EngineError
 from .llm import StreamPiece
 from .sampling import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 def _unwrap_ray_error(e: BaseException) -> BaseException:
-    """A RayTaskError whose cause is one of this package's errors -> that error, as itself."""
+    """A RayTaskError whose cause is one of this package's errors -> that error, as itself; any
+    other Ray error (a dead Router: its text names actors, PIDs, addresses) -> an EngineError that
+    names only the problem, the details going to the log."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, DSparkError):
         return cause
-    return DSparkError(f"the router failed: {e}")
+    log.error("the router failed: %s: %s", type(e).__name__, e)
+    return EngineError(f"the router failed ({type(e).__name__}); see the server log")
 
 
 class EngineClient:

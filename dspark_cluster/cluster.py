@@ -36,12 +36,8 @@ def ensure_ray(num_workers: int = 1, address: str = "auto"):
         return ray
     from ray._private.services import find_bootstrap_address, find_gcs_addresses
 
-    join = address if address not in ("auto", "local") else None
-    if address == "auto":
-        join = os.environ.get("RAY_ADDRESS") or None
-        if join is None:
-            running = find_bootstrap_address(None)  # what the last `ray start` here wrote, if it still runs
-            join = running if running and running in find_gcs_addresses() else None
+    join = ray_address_to_join(address, os.environ.get("RAY_ADDRESS"),
+                               lambda: find_bootstrap_address(None), find_gcs_addresses)
     if join is not None:
         _say(f"joining the Ray cluster at {join}")
         try:
@@ -58,6 +54,20 @@ def ensure_ray(num_workers: int = 1, address: str = "auto"):
          "`ray start --head` first, or set RAY_ADDRESS, to use a shared one")
     ray.init(address="local", num_cpus=num_cpus, log_to_driver=False)
     return ray
+
+
+def ray_address_to_join(address: str, env_address, last_started, running_gcs) -> "str | None":
+    """The Ray cluster to join, or None to start a private one. `env_address`: RAY_ADDRESS;
+    `last_started()`: the address the last `ray start` on this machine wrote (or None);
+    `running_gcs()`: addresses of the GCS processes running here."""
+    if address == "local":
+        return None
+    if address != "auto":
+        return address
+    if env_address:
+        return env_address
+    last = last_started()
+    return last if last and last in running_gcs() else None
 
 
 def _say(message: str) -> None:

@@ -165,6 +165,7 @@ class LLMEngine:
         self.num_steps = self.num_overlapped_steps = 0
         # fault tolerance (executor ray): target restarts so far, and whether one is under way
         self.num_restarts, self.restarting = 0, False
+        self.last_restart: Optional[dict] = None  # step, teardown and start-up seconds of the last restart
         self._speculation_wanted = True  # the run-time switch, as last set (a drafter restart restores it)
         # async scheduling: schedule step n+1 while the workers run step n (see step())
         mode = sc.async_scheduling
@@ -314,9 +315,15 @@ class LLMEngine:
                 self.num_restarts += 1
                 log.error("target worker lost (%s: %s); restart %d of %d", type(error.__cause__ or error).__name__,
                           error.__cause__ or error, self.num_restarts, limit)
+                t0 = time.perf_counter()
                 self.executor.shutdown()
+                t1 = time.perf_counter()
                 try:
                     self.executor = make_executor(self.cfg, self.spec)
+                    self.last_restart = {"at_step": self.num_steps, "teardown_s": t1 - t0,
+                                         "start_s": time.perf_counter() - t1}
+                    log.warning("workers restarted: teardown %.2f s, new workers ready %.2f s",
+                                t1 - t0, self.last_restart["start_s"])
                     break
                 except Exception as e:  # noqa: BLE001 -- e.g. the lost node's devices are not back yet
                     log.error("restart %d failed: %s: %s", self.num_restarts, type(e).__name__, e)

@@ -106,11 +106,14 @@ def main() -> None:
             row.update(trial=i + 1, completed=sum(not isinstance(r, BaseException) for r in results),
                        identical=sum(r == b for r, b in zip(results, base)), restarts=stats["restarts"],
                        state=stats["state"], kv_blocks_used=stats["kv_blocks_used"],
+                       restart_teardown_s=(stats["last_restart"] or {}).get("teardown_s"),
+                       restart_start_s=(stats["last_restart"] or {}).get("start_s"),
                        errors=sorted({type(r).__name__ for r in results if isinstance(r, BaseException)}))
             rows.append(row)
             rec = f"{row['recovery_s']:.2f} s" if row["recovery_s"] is not None else "-"
             print(f"trial {i + 1:2d}: kill at {row['kill_at_s']:.2f} s, completed {row['completed']}/{len(prompts)}, "
                   f"identical {row['identical']}/{len(prompts)}, pause after the kill {rec}, "
+                  f"(teardown {row['restart_teardown_s']:.2f} s + new workers {row['restart_start_s']:.2f} s), "
                   f"pass {row['duration_s']:.2f} s, restarts {row['restarts']}, KV used after {row['kv_blocks_used']}",
                   flush=True)
     finally:

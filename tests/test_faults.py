@@ -150,6 +150,36 @@ def test_statistics_a_server_keeps_are_bounded_and_a_run_keeps_every_step(checkp
         engine.shutdown()
 
 
+def test_which_ray_to_use():
+    """parallel.ray_address: auto joins RAY_ADDRESS, else a `ray start` instance still running here,
+    else none (a private one); local never joins; an address is joined as given."""
+    from dspark_cluster.cluster import ray_address_to_join
+
+    running = lambda: ["10.0.0.5:6379"]  # noqa: E731
+    assert ray_address_to_join("auto", "ray://head:10001", lambda: "10.0.0.5:6379", running) == "ray://head:10001"
+    assert ray_address_to_join("auto", None, lambda: "10.0.0.5:6379", running) == "10.0.0.5:6379"
+    assert ray_address_to_join("auto", "", lambda: "10.0.0.9:6379", running) is None  # stale: not running
+    assert ray_address_to_join("auto", None, lambda: None, running) is None
+    assert ray_address_to_join("local", "ray://head:10001", lambda: "10.0.0.5:6379", running) is None
+    assert ray_address_to_join("head:6379", None, lambda: None, running) == "head:6379"
+
+
+def test_a_ray_cluster_that_cannot_be_joined_is_a_config_error(monkeypatch, capsys):
+    import ray
+
+    from dspark_cluster.cluster import ensure_ray
+    from dspark_cluster.errors import ConfigError
+
+    def refuse(**kw):
+        raise ConnectionError("could not connect to the GCS")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ConfigError, match=r"parallel.ray_address.*127\.0\.0\.1:1.*ray status"):
+        ensure_ray(2, "127.0.0.1:1")
+    assert "joining the Ray cluster at 127.0.0.1:1" in capsys.readouterr().err
+
+
 # ---- loading --------------------------------------------------------------------------------
 
 
