@@ -191,6 +191,18 @@ class Cluster:
             self._unread.remove(ref)
             raise WorkerError("a target worker was lost during a step") from e
 
+    def _wait_dead(self, timeout_s: float) -> None:
+        from ray._private.state import state as gcs
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all(gcs.actor_table(w._actor_id.hex()).get("State") == "DEAD" for w in self.workers):
+                    return
+            except Exception:  # noqa: BLE001 -- cannot tell: go on with the teardown
+                return
+            time.sleep(0.05)
+
     def _all_alive(self, grace_s: float = 2.0) -> bool:
         """Whether every worker is alive by the GCS's record. A rank that fails because a peer died
         (its collective broke) raises before the GCS has marked the peer dead: wait a little."""
@@ -297,17 +309,23 @@ class Cluster:
         self._unread = []
 
     def shutdown(self) -> None:
+        """Drain the rounds in flight, kill the workers and wait for them to be gone, and only then
+        tear the compiled graph down: a worker still alive at the teardown can write into a channel
+        the teardown has closed, and a cross-node write to a closed channel aborts the receiving
+        node's raylet (ray#63229; seen in this project's 2-node test cluster)."""
         ray = self._ray
-        if getattr(self, "_dag", None) is not None:
+        dag, self._dag = getattr(self, "_dag", None), None
+        if dag is not None:
             self._drain()
-            try:
-                self._dag.teardown()
-            except Exception:
-                pass
-            self._dag = None
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        if dag is not None:
+            self._wait_dead(timeout_s=30.0)
+            try:
+                dag.teardown()
             except Exception:
                 pass
         for pg in self.placement_groups:
