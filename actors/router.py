@@ -1,7 +1,7 @@
 """Router: the Ray actor that owns the scheduler and the shard workers, and serves requests.
 
 A thin shell over the core's AsyncEngine: requests are submitted and streamed through this actor;
-every step is one round trip to the ShardWorkers (a compiled graph), and only token ids come back.
+every step is one round trip to the ShardWorkers (a compiled graph on one node, actor calls across nodes), and only token ids come back.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class Router:
 
     def finished_count(self) -> int:
         return len(self.core.finished)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def worker_reports(self) -> list:
         return getattr(self.core.engine.executor, "reports", [])

@@ -244,6 +244,7 @@ class AsyncEngine:
             "drafter_restarts": eng.drafter.num_restarts if eng.drafter is not None else 0,
             **eng.load(),
             "steps": eng.num_steps,
+            "step_transport": eng.executor.transport,
             "async_scheduling": eng.async_scheduling,
             "overlapped_steps": eng.num_overlapped_steps,
             "speculation_enabled": eng.scheduler.speculation_enabled,

@@ -105,10 +105,18 @@ def num_actors(cfg: Config) -> int:
     return cfg.parallel.world_size + (cfg.speculative.draft_workers if cfg.speculative.enabled else 0)
 
 
+def compiled_graph_wanted(setting: str, worker_nodes: set, here: str) -> bool:
+    """Whether the step goes through a Ray compiled graph: `setting` (parallel.compiled_graph) on or
+    off, or for auto, only when every worker runs on this process's node `here` (see the config)."""
+    if setting != "auto":
+        return setting == "on"
+    return worker_nodes == {here}
+
+
 class Cluster:
     def __init__(self, cfg: Config, spec: ModelSpec):
         ray = ensure_ray(num_actors(cfg), cfg.parallel.ray_address)
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.shard_worker import ShardWorker
@@ -123,10 +131,14 @@ class Cluster:
         # for wait(): rounds submitted and not read, recent forward seconds by step size, last read
         self._in_flight, self._forward_s, self._last_output_at = 0, {}, 0.0
         self._unread = []  # rounds submitted whose outputs were not read (drained before a teardown)
+        self.compiled = False
         threads = cfg.parallel.threads_per_worker or 1
+        here = ray.get_runtime_context().get_node_id()
         try:
             for g in range(cfg.parallel.data):
-                pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK")
+                # group 0 on this process's node where it fits: its rounds then need no cross-node channel
+                pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK",
+                                     _soft_target_node_id=here if g == 0 else None)
                 self.placement_groups.append(pg)
             ray.get([pg.ready() for pg in self.placement_groups], timeout=120)
             actor_cls = ray.remote(ShardWorker)
@@ -148,7 +160,12 @@ class Cluster:
                               for w in self.workers])
             self.num_blocks = min(fits)
             self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size) for w in self.workers])
-            self._compile()
+            nodes = {n for pg in self.placement_groups
+                     for n in placement_group_table(pg)["bundles_to_node_id"].values()}
+            self.compiled = compiled_graph_wanted(cfg.parallel.compiled_graph, nodes, here)
+            if self.compiled:
+                self._compile()
+            self.transport = "compiled_graph" if self.compiled else "actor_calls"
         except BaseException:
             self.shutdown()
             raise
@@ -227,6 +244,13 @@ class Cluster:
             dag = MultiOutputNode([w.step.bind(step_input) for w in self.workers])
         self._dag = dag.experimental_compile()
 
+    def _execute(self, data):
+        """One round's output refs: through the compiled graph, or one actor call per worker (Ray
+        runs one caller's calls to an actor in order, so two rounds in flight stay ordered)."""
+        if self.compiled:
+            return self._dag.execute(data)
+        return [w.step.remote(data) for w in self.workers]
+
     def submit(self, step):
         """Start one round to every worker. `step`: a StepInput, or one per data-parallel group
         (each worker takes its group's). Rounds run in submission order; two can be in flight
@@ -234,7 +258,7 @@ class Cluster:
         t0 = time.perf_counter()
         data = to_wire(step)
         try:
-            ref = self._dag.execute(data)
+            ref = self._execute(data)
         except Exception as e:  # noqa: BLE001 -- a closed channel: a worker is gone
             raise WorkerError("a target worker was lost while a step was submitted") from e
         self._in_flight += 1
@@ -249,7 +273,7 @@ class Cluster:
         # steps of one size (steady decoding) take alike times; the least of the last few, so that a
         # cold first step or a hiccup does not make this process oversleep
         recent = self._forward_s.get(num_tokens, ())
-        if self._in_flight > 1 and len(recent) >= 2:
+        if self.compiled and self._in_flight > 1 and len(recent) >= 2:
             expected = min(recent)
             # Ray's compiled-graph read spins, and a spinning reader slows the workers' forward when
             # cores are scarce (2-core CPU machine: 4.8 against 4.2 ms, BENCHMARKS.md). With another
@@ -317,6 +341,7 @@ class Cluster:
         dag, self._dag = getattr(self, "_dag", None), None
         if dag is not None:
             self._drain()
+        self._unread = []  # plain actor calls: killing their workers is all they need
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

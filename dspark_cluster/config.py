@@ -50,6 +50,11 @@ class ParallelConfig(_Section):
     # which Ray to use when this process has none yet: auto = RAY_ADDRESS, else the instance a
     # `ray start` left on this machine, else a private one; local = always a private one; or an address
     ray_address: str = "auto"
+    # the step's transport to the target workers. auto: a Ray compiled graph (shared-memory
+    # channels) when every worker is on the calling process's node, plain actor calls otherwise:
+    # Ray 2.60's raylet aborts, taking its node down, when a cross-node compiled-graph channel is
+    # closed under a writer (a worker lost, a teardown; ray#63229). on/off force one or the other.
+    compiled_graph: Literal["auto", "on", "off"] = "auto"
 
     @property
     def world_size(self) -> int:

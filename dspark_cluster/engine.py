@@ -88,6 +88,8 @@ def _rollback(scheds: list) -> None:
 class LocalExecutor:
     """`executor: local`: the whole model on one device in this process."""
 
+    transport = "in_process"  # how a step reaches the model (Cluster: compiled_graph or actor_calls)
+
     def __init__(self, cfg: Config, spec: ModelSpec):
         if cfg.parallel.threads_per_worker:
             torch.set_num_threads(cfg.parallel.threads_per_worker)

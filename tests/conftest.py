@@ -125,7 +125,7 @@ def _ray_nodes_stay_up(request):
     dead = [n for n in ray.nodes() if not n.get("Alive")]
     if dead:
         lines = []
-        for log in glob.glob("/tmp/ray/session_latest/logs/raylet*.out"):
+        for log in glob.glob("/tmp/ray/session_latest/logs/raylet*"):
             with open(log, errors="replace") as f:
                 lines += [line.strip() for line in f if "Check failed" in line or " F " in line][:3]
         pytest.fail(f"{len(dead)} Ray node(s) died during this test; raylet logs: {lines or 'nothing found'}")

@@ -174,6 +174,17 @@ def test_which_ray_to_use():
     assert ray_address_to_join("head:6379", None, lambda: None, running) == "head:6379"
 
 
+def test_compiled_graph_only_within_one_node():
+    """A cross-node compiled-graph channel closed under a writer aborts the raylet (ray#63229)."""
+    from dspark_cluster.cluster import compiled_graph_wanted
+
+    assert compiled_graph_wanted("auto", {"n1"}, "n1")
+    assert not compiled_graph_wanted("auto", {"n2"}, "n1")
+    assert not compiled_graph_wanted("auto", {"n1", "n2"}, "n1")
+    assert compiled_graph_wanted("on", {"n1", "n2"}, "n1")
+    assert not compiled_graph_wanted("off", {"n1"}, "n1")
+
+
 def test_a_ray_cluster_that_cannot_be_joined_is_a_config_error(monkeypatch, capsys):
     import ray
 

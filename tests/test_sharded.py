@@ -144,6 +144,11 @@ def test_tp_groups_stay_on_one_node(checkpoint, ray_cluster):
         nodes_a = {r["node_id"] for r in ray.get(a.router.worker_reports.remote())}
         nodes_b = {r["node_id"] for r in ray.get(b.router.worker_reports.remote())}
         assert len(nodes_a) == 1 and len(nodes_b) == 1 and nodes_a != nodes_b
+        # a group on the Router's node steps through a compiled graph; one on another node through
+        # plain actor calls (a cross-node compiled-graph channel can abort a raylet, ray#63229)
+        for nodes, x in ((nodes_a, a), (nodes_b, b)):
+            want = "compiled_graph" if nodes == {ray.get(x.router.node_id.remote())} else "actor_calls"
+            assert ray.get(x.router.stats.remote())["step_transport"] == want
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         prompt = random_prompts([5], seed=23)
         assert a.generate(prompt, params)[0].token_ids == b.generate(prompt, params)[0].token_ids
