@@ -10,8 +10,13 @@ decides the draft tokens and its proposals are the group's.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import torch
+
+# how long a DSpark proposal waits for context rows still on their way from the target's workers
+CONTEXT_WAIT_S = 0.05
 
 
 class Drafter:
@@ -24,6 +29,7 @@ class Drafter:
         self.device_kind = device
         self.rank, self.world_size = rank, world_size
         self.state = self.proposer = None
+        self._lock = threading.Condition()  # a DSpark drafter serves two callers (Router, target worker)
 
     def node_address(self) -> tuple[str, int]:
         """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
@@ -34,7 +40,7 @@ class Drafter:
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the drafter world and load this rank's shard of the draft model. Returns report()."""
         from dspark_cluster.model.spec import load_spec
-        from dspark_cluster.proposers import make_proposer
+        from dspark_cluster.speculative.proposers import make_proposer
         from parallel.comm import TensorParallelComm
         from parallel.state import init_parallel
 
@@ -74,15 +80,35 @@ class Drafter:
 
     def propose(self, requests):
         """Every rank of the group runs the same proposal; only TP rank 0's is returned (the
-        others' carry no draft law, and sending them back would only cost time)."""
-        proposals = self.proposer.propose(requests)
+        others' carry no draft law, and sending them back would only cost time). A DSpark drafter
+        first waits, briefly, for context rows the target's workers sent but that have not arrived
+        (Ray orders calls per caller only); a sequence still without them gets no drafts."""
+        with self._lock:
+            if hasattr(self.proposer, "waiting_for"):
+                deadline = time.monotonic() + CONTEXT_WAIT_S
+                while self.proposer.waiting_for(requests) and time.monotonic() < deadline:
+                    self._lock.wait(timeout=max(deadline - time.monotonic(), 0))
+            proposals = self.proposer.propose(requests)
         return proposals if self.state.tp_rank == 0 else None
 
+    def ingest(self, rows) -> None:
+        """DSpark: context rows from a target worker (fire and forget)."""
+        with self._lock:
+            self.proposer.ingest(rows)
+            self._lock.notify_all()
+
     def prefill(self, requests) -> None:
-        self.proposer.prefill(requests)
+        with self._lock:
+            self.proposer.prefill(requests)
 
     def free(self, seq_ids) -> None:
-        self.proposer.free(seq_ids)
+        with self._lock:
+            self.proposer.free(seq_ids)
+
+    def context_stats(self) -> dict:
+        with self._lock:
+            return {"ingested_rows": getattr(self.proposer, "ingested_rows", 0),
+                    "misses": getattr(self.proposer, "misses", 0)}
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot()

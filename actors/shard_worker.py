@@ -22,6 +22,7 @@ class ShardWorker:
         self.rank = rank
         self.world_size = world_size
         self.model = None
+        self._drafters = {}  # DSpark drafter actor handles by name
 
     def node_address(self) -> tuple[str, int]:
         """This worker's node IP and a free port there (asked of rank 0 for the rendezvous)."""
@@ -126,10 +127,32 @@ class ShardWorker:
         out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0,
                            prev_sampled=self._prev_sampled)
         self._prev_sampled = out.sampled  # the next step's inputs may be these tokens (async scheduling)
+        if out.context is not None:
+            self._send_context(out.context, step_input.export_to)
+            out.context = None
         if self.migration is not None:
             out.migration_ready = self.migration.done()
             out.migration_bytes = self.migration.bytes_sent
         return out
+
+    def _send_context(self, rows, names) -> None:
+        """DSpark: the committed tokens' states go straight to the drafter actors that own their
+        sequences (seq_id % groups), fire and forget: a dead or slow drafter never holds up the
+        target (its proposals then go without drafts)."""
+        import ray
+
+        if not names:
+            return
+        for name, part in zip(names, rows.split(len(names))):
+            if not part.counts.numel():
+                continue
+            try:
+                handle = self._drafters.get(name)
+                if handle is None:
+                    handle = self._drafters[name] = ray.get_actor(name)
+                handle.ingest.remote(part)
+            except Exception:  # noqa: BLE001 -- a drafter that is gone (restarting): its rows are lost
+                self._drafters.pop(name, None)
 
     def _start_migration(self, version: int, phy2log) -> None:
         """Stage a new expert placement in the background (steps keep using the old one)."""

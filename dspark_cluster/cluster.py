@@ -94,7 +94,7 @@ def check_resources(cfg: Config, ray) -> str:
             f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
         )
     if cfg.speculative.enabled:  # the drafter group too, before any actor starts
-        from .drafting import check_drafter_resources
+        from .speculative.drafting import check_drafter_resources
 
         check_drafter_resources(cfg, ray)
     return device

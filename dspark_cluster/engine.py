@@ -24,8 +24,8 @@ from .model.spec import ModelSpec, load_spec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .proposers import DraftRequest
-from .spec_decode import Proposal
+from .speculative.proposers import DraftRequest
+from .speculative.spec_decode import Proposal
 from .step import StepInput, StepOutput, build_step_input, execute_step
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class LLMEngine:
         self.num_groups = cfg.parallel.data
         self.drafter = None
         if cfg.speculative.enabled:
-            from .drafting import Drafter
+            from .speculative.drafting import Drafter
 
             try:
                 self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
@@ -380,12 +380,16 @@ class LLMEngine:
         ahead_ok = self._overlap() and not any(s.proposal for sc in scheds for s in sc.scheduled)
         # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
         inputs = []
+        export = self.drafter.export() if self.drafter is not None else None
         for g, sc in enumerate(scheds):
             prev_rows = None
             if prev is not None:
                 prev_rows = {s.seq.seq_id: i for i, s in enumerate(r for r in prev.scheds[g].scheduled if r.samples)}
             step_in = build_step_input(sc.scheduled, self.schedulers[g].blocks.block_tables, self.block_size, prev_rows)
             step_in.share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
+            if export is not None and sc.scheduled:  # DSpark: the drafter reads the target's states
+                step_in.export_layers, step_in.export_to = export
+                step_in.seq_ids = torch.tensor([s.seq.seq_id for s in sc.scheduled], dtype=torch.long)
             inputs.append(step_in)
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
             inputs[0].commit_placement, self._commit_version = self._commit_version, None
@@ -413,6 +417,11 @@ class LLMEngine:
                     self._migration_bytes = outs[0].migration_bytes
                     self._commit_version = version
         verify_time = time.perf_counter() - t_wait
+        if self.drafter is not None:  # in process, the exported context comes back with the output
+            for out in outs:
+                if out.context is not None:
+                    self.drafter.ingest(out.context)
+                    out.context = None
         step.processed = True
         events = []
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
@@ -421,7 +430,7 @@ class LLMEngine:
             if self.drafter is not None:
                 for s in rows:
                     if s.proposal is not None:
-                        self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1)
+                        self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1, s.proposal.confidences)
             for seq, new in g.update(sc.scheduled, sampled):
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
@@ -441,6 +450,7 @@ class LLMEngine:
                 "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),
                 "num_preempted": sum(len(sc.preempted) for sc in scheds),
                 "overlapped": self._inflight is not None,  # the next step ran while this one was processed
+                "export_bytes": sum(o.export_bytes for o in outs),  # DSpark context rows sent to the drafter
             }
         )
         self.step_stats.append(stats)
@@ -466,7 +476,8 @@ class LLMEngine:
         for s, prop in zip(rows, self.drafter.propose(reqs)):
             if prop.tokens:
                 s.proposal = Proposal(prop.tokens[: s.num_lookahead],
-                                      None if prop.probs is None else prop.probs[: s.num_lookahead])
+                                      None if prop.probs is None else prop.probs[: s.num_lookahead],
+                                      None if prop.confidences is None else prop.confidences[: s.num_lookahead])
         if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
             self._apply_speculation()
 

@@ -115,6 +115,8 @@ def format_summary(summary: dict) -> str:
         rows += [
             ("accepted length tau", _num(spec["mean_accepted_length"], 1, ".2f")),
             ("acceptance by position", acc),
+            ("mean confidence by position", " ".join(_num(c, 1, ".2f") for c in spec.get("mean_confidence_by_position", []))
+             or "n/a"),
             ("draft / verify time (s)", f"{_num(spec['draft_time_s'], 1, '.2f')} / {_num(spec['verify_time_s'], 1, '.2f')}"),
         ]
     width = max(len(k) for k, _ in rows)

@@ -19,7 +19,7 @@ from typing import Optional
 
 from .kv_cache import BlockManager
 from .sequence import Sequence, SeqStatus
-from .spec_decode import Proposal
+from .speculative.spec_decode import Proposal
 
 
 @dataclass

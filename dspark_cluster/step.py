@@ -17,7 +17,8 @@ import torch
 
 from .model.attention import build_metadata
 from .sampling import sample
-from .spec_decode import verify
+from .speculative.spec_decode import verify
+from .speculative.context import ContextRows, committed_rows
 from .scheduler import ScheduledSeq
 
 
@@ -86,6 +87,12 @@ class StepInput(_NumpyWire):
     prev_token_pos: Optional[torch.Tensor] = None  # [P] long
     prev_token_row: Optional[torch.Tensor] = None  # [P] long
     share_sampled: bool = False  # TP rank 0 broadcasts its sampled tokens (the next step may need them)
+    # DSpark: the driver rank exports these decoder layers' outputs of the committed tokens
+    export_layers: Optional[tuple] = None
+    seq_ids: Optional[torch.Tensor] = None  # [B] long, with export_layers
+    # executor ray: the drafter actors (by name) that take the rows, split by seq_id % len;
+    # None in process: the rows come back in StepOutput.context
+    export_to: Optional[tuple] = None
 
 
 @dataclass
@@ -100,6 +107,8 @@ class StepOutput(_NumpyWire):
     forward_s: float = 0.0  # this rank's time inside execute_step (the rest of a round is transport)
     worker_s: float = 0.0  # a ShardWorker's time in its step call but pickling the output (forward_s included)
     between_s: float = 0.0  # a ShardWorker's time from returning the previous step to starting this one
+    context: Optional[ContextRows] = None  # the exported rows (in process only; a worker sends them on)
+    export_bytes: int = 0  # bytes of context rows this step exported
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int,
@@ -198,7 +207,8 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
         return _idle_step(model, device)
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
     ids = step.input_ids.to(device)
-    hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype))
+    capture = tuple(step.export_layers or ())
+    hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype), capture=capture)
     ends = torch.cumsum(step.query_lens, 0)[step.sample_rows]  # one past each sample row's last token
     S = step.sample_rows.numel()
     nd = step.num_draft if step.num_draft is not None else torch.zeros(S, dtype=torch.long)
@@ -222,10 +232,16 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
             sampled, num_tokens = tokens.cpu(), num_tokens.cpu()
     if step.share_sampled and S and model.comm.tp_size > 1:  # every rank needs them for the next input
         sampled = model.comm.broadcast(sampled).cpu()
+    context = None
+    if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
+        context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
+                                 step.num_draft, num_tokens)
+    model.captured = None
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,
-                      logits=logits.cpu() if step.return_logits and logits is not None else None)
+                      logits=logits.cpu() if step.return_logits and logits is not None else None,
+                      context=context, export_bytes=context.nbytes if context is not None else 0)
 
 
 def _idle_step(model, device) -> StepOutput:

@@ -16,6 +16,7 @@ import torch
 ASSETS = pathlib.Path(__file__).resolve().parents[1] / "dspark_cluster" / "assets"
 TARGET = ASSETS / "tiny-moe"
 DRAFT = ASSETS / "tiny-draft"
+DSPARK = ASSETS / "tiny-dspark"
 PROMPTS = ASSETS / "prompts" / "heldout.jsonl"
 MAX_BYTES = 25 * 1024 * 1024
 
@@ -51,8 +52,28 @@ def test_asset_files_present():
 
 
 def test_total_asset_size_within_budget():
-    total = sum(f.stat().st_size for d in (TARGET, DRAFT) for f in d.rglob("*") if f.is_file())
-    assert total <= MAX_BYTES, f"tiny-moe + tiny-draft take {total / 2**20:.2f} MiB > 25 MiB"
+    total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
+    assert total <= MAX_BYTES, f"the bundled assets take {total / 2**20:.2f} MiB > 25 MiB"
+
+
+def test_dspark_drafter_is_fp16_without_the_targets_tables_and_loads():
+    """tiny-dspark stores only its own weights (fp16); the embedding and LM head are tiny-moe's."""
+    from safetensors import safe_open
+
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.dspark_model import DSparkConfig
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert (DSPARK / name).is_file(), DSPARK / name
+    with safe_open(DSPARK / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert {f.get_slice(k).get_dtype() for k in keys} == {"F16"}
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    c = DSparkConfig.load(DSPARK / "config.json")
+    assert c.target["name"] == "tiny-moe" and max(c.target_layer_ids) < c.target["num_layers"]
+    prop = DSparkProposer(DSPARK, TARGET, load_spec(str(TARGET), "float32"), num_tokens=c.block_size)
+    assert prop.memory_report()["param_bytes"] > 0
 
 
 def test_shared_tokenizer():
@@ -84,14 +105,16 @@ def test_configs(models, tok):
     assert tok.eos_token == "<|endoftext|>"
 
 
-def test_checkpoints_are_fp32_with_lm_head():
+def test_checkpoints_have_lm_head_and_expected_dtypes():
     from safetensors import safe_open
 
-    for d in (TARGET, DRAFT):
+    # tiny-draft is stored in fp16 (room for tiny-dspark); its config still loads it as fp32
+    for d, dtype in ((TARGET, "F32"), (DRAFT, "F16")):
         with safe_open(d / "model.safetensors", "pt") as f:
             keys = set(f.keys())
             assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
-            assert {f.get_slice(k).get_dtype() for k in keys} == {"F32"}
+            assert {f.get_slice(k).get_dtype() for k in keys} == {dtype}
+    assert json.loads((DRAFT / "config.json").read_text())["dtype"] == "float32"
     with safe_open(TARGET / "model.safetensors", "pt") as f:
         bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
         assert bias.abs().sum() > 0  # the router's balancing bias was trained

@@ -36,3 +36,15 @@ def test_bundled_target_is_deepseek_v3_moe_and_drafter_shares_vocab():
     assert target["model_type"] == "deepseek_v3" and target["n_routed_experts"] >= 8
     assert target["n_shared_experts"] == 1 and target["first_k_dense_replace"] == 1
     assert draft["vocab_size"] == target["vocab_size"] and draft["num_hidden_layers"] <= 2
+
+
+def test_bundled_dspark_drafter_is_lossless_and_drafts_well():
+    """tiny-dspark on tiny-moe: greedy output identical to plain decoding on held-out prompts, and
+    the drafter earns its keep (more than one token per verify round on average)."""
+    prompts = read_prompts(DEFAULT_PROMPTS)[:4]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM("tiny-moe").generate(prompts, params)]
+    llm = LLM("tiny-moe", config={"speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4}})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == base
+    stats = llm.engine.drafter.stats.summary()
+    assert stats["mean_accepted_length"] > 1.5

@@ -246,7 +246,7 @@ class FakeRay:
 
 def test_drafter_resources_are_checked_beside_the_target(checkpoint):
     from dspark_cluster import ConfigError, load_config
-    from dspark_cluster.drafting import check_drafter_resources
+    from dspark_cluster.speculative.drafting import check_drafter_resources
 
     def cfg(draft_workers, draft_tensor, **parallel):
         c = spec_config("draft_model", checkpoint("llama"), executor="ray", **parallel,
@@ -273,9 +273,9 @@ def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):
     import ray
 
     from dspark_cluster import ConfigError, load_config
-    from dspark_cluster.drafting import RayDrafterGroup
+    from dspark_cluster.speculative.drafting import RayDrafterGroup
     from dspark_cluster.model.spec import load_spec
-    from dspark_cluster.proposers import DraftModelProposer, DraftRequest
+    from dspark_cluster.speculative.proposers import DraftModelProposer, DraftRequest
 
     target, draft = checkpoint("qwen3_moe"), checkpoint("llama")
 

@@ -106,12 +106,18 @@ class DecoderModel(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata):
-        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, capture: tuple = ()):
+        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm. capture: decoder
+        layers whose raw outputs (the residual stream) are kept in `self.captured` [T, len * hidden],
+        concatenated in order (a DSpark drafter's context)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        for layer in self.model.layers:
+        kept = []
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta)
+            if i in capture:
+                kept.append(x)
+        self.captured = torch.cat(kept, dim=-1) if kept else None
         return self.model.norm(x)
 
     def compute_logits(self, hidden):

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError
-from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
-from .model.attention import build_metadata
-from .model.loader import _shard_dim, load_model
-from .model.spec import ModelSpec, load_spec
-from .sampling import filter_logits
+from ..errors import ConfigError
+from ..kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
+from ..model.attention import build_metadata
+from ..model.loader import _shard_dim, load_model
+from ..model.spec import ModelSpec, load_spec
+from ..sampling import filter_logits
 from .spec_decode import Proposal, _generator
 
 
@@ -205,7 +205,12 @@ class DraftModelProposer:
             active = still
         for sid in drafts:
             # the other TP ranks have the same tokens but not their law: only rank 0's proposals count
-            out[sid] = Proposal(drafts[sid], torch.stack(probs[sid]).cpu() if self.decides else None)
+            if self.decides:  # the draft law's probability of each drafted token is its confidence
+                law = torch.stack(probs[sid]).cpu()
+                conf = law.gather(1, torch.tensor(drafts[sid])[:, None]).squeeze(1)
+                out[sid] = Proposal(drafts[sid], law, conf)
+            else:
+                out[sid] = Proposal(drafts[sid], None)
         return [out[r.seq_id] for r in requests]
 
 
@@ -220,4 +225,8 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
     if sp.method == "draft_model":
         return DraftModelProposer(sp.draft_model, target_spec, cfg.model.dtype, device, cfg.scheduler.block_size,
                                   comm=comm)
-    raise ConfigError(f"speculative.method: {sp.method!r} is not available yet; use ngram or draft_model")
+    if sp.method == "dspark":
+        from .dspark_proposer import DSparkProposer
+
+        return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens)
+    raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")

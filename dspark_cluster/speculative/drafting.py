@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Optional
 
-from .errors import ConfigError, DSparkError
+from ..errors import ConfigError, DSparkError
 from .proposers import DraftRequest, make_proposer
 from .spec_decode import Proposal
 
@@ -24,24 +24,29 @@ class SpecStats:
     def __init__(self, k: int):
         self.proposed = [0] * max(k, 1)
         self.accepted = [0] * max(k, 1)
+        self.confidence = [0.0] * max(k, 1)  # sums of the proposals' raw confidences, by position
         self.rounds = 0
         self.tokens_out = 0  # tokens produced by verify rounds (accepted drafts + 1 each)
         self.draft_time_s = 0.0
         self.verify_time_s = 0.0
         self.failures = 0
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, confidences=None) -> None:
         self.rounds += 1
         self.tokens_out += num_accepted + 1
         for i in range(num_draft):
             self.proposed[i] += 1
             self.accepted[i] += int(i < num_accepted)
+        if confidences is not None:
+            for i, c in enumerate(confidences[:num_draft].tolist()):
+                self.confidence[i] += c
 
     def summary(self) -> dict:
         return {
             "verify_rounds": self.rounds,
             "mean_accepted_length": self.tokens_out / self.rounds if self.rounds else float("nan"),
             "acceptance_by_position": [a / p if p else float("nan") for a, p in zip(self.accepted, self.proposed)],
+            "mean_confidence_by_position": [c / p if p else float("nan") for c, p in zip(self.confidence, self.proposed)],
             "num_draft_tokens": sum(self.proposed),
             "num_accepted_tokens": sum(self.accepted),
             "draft_time_s": self.draft_time_s,
@@ -95,7 +100,7 @@ class RayDrafterGroup:
         self._ray, self._remove_pg = ray, remove_placement_group
         self.timeout_s = timeout_s
         n, tp = cfg.speculative.draft_workers, cfg.speculative.draft_tensor
-        self.actors, self.placement_groups, self.groups, self.reports = [], [], [], []
+        self.actors, self.placement_groups, self.groups, self.reports, self.names = [], [], [], [], []
         device = check_drafter_resources(cfg, ray)
         bundle = {"GPU": 1} if device == "cuda" else {"CPU": 1}
         threads = cfg.parallel.threads_per_worker or 1
@@ -113,9 +118,12 @@ class RayDrafterGroup:
                     "devices, or other jobs hold them); lower speculative.draft_workers / speculative.draft_tensor "
                     "or add nodes"
                 )
+            self.names = [f"dspark-drafter-{tag}-{rank}" for rank in range(n)]
+            # a DSpark drafter also takes context rows from the target's workers while a proposal waits for them
+            concurrency = 2 if cfg.speculative.method == "dspark" else 1
             for rank in range(n):
                 self.actors.append(cls.options(
-                    name=f"dspark-drafter-{tag}-{rank}",
+                    name=self.names[rank], max_concurrency=concurrency,
                     num_cpus=1 if device == "cpu" else 0,
                     num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -212,6 +220,13 @@ class Drafter:
         self._restarted = None  # a drafter group started in the background, not yet serving
         self._restarting: Optional[threading.Thread] = None
         self._closed = False
+        self._export_layers = None
+        if cfg.speculative.method == "dspark":
+            from pathlib import Path
+
+            from .dspark_model import DSparkConfig
+
+            self._export_layers = tuple(DSparkConfig.load(Path(cfg.speculative.draft_model) / "config.json").target_layer_ids)
         if cfg.parallel.executor == "ray":
             self.backend = RayDrafterGroup(cfg)
         else:
@@ -220,6 +235,27 @@ class Drafter:
     @property
     def alive(self) -> bool:
         return self.backend is not None
+
+    def export(self) -> Optional[tuple]:
+        """(target layers to export, drafter actor names or None in process) while a DSpark drafter
+        serves; None otherwise (no export)."""
+        if self.cfg.speculative.method != "dspark" or self.backend is None:
+            return None
+        names = tuple(self.backend.names) if isinstance(self.backend, RayDrafterGroup) else None
+        return self._export_layers, names
+
+    def ingest(self, rows) -> None:
+        """In process: the target's exported context rows (a Ray drafter group gets them from the
+        workers directly)."""
+        if self.backend is None:
+            return
+        try:
+            self.backend.ingest(rows)
+        except Exception as e:  # noqa: BLE001 - any drafter failure degrades to plain decoding
+            self.stats.failures += 1
+            log.warning("drafter failed to take context (%s: %s); continuing without speculation",
+                        type(e).__name__, e)
+            self._drop()
 
     def poll(self) -> bool:
         """Between steps: True when a drafter group restarted in the background has just taken over

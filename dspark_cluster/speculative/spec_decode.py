@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .sampling import filter_logits
+from ..sampling import filter_logits
 
 
 @dataclass
@@ -24,6 +24,9 @@ class Proposal:
 
     tokens: list[int]
     probs: Optional[torch.Tensor] = None  # [len(tokens), vocab]
+    # the drafter's confidence that each token is accepted given the one before it was (DSpark's
+    # confidence head; otherwise the draft law's probability of the token), raw, before calibration
+    confidences: Optional[torch.Tensor] = None  # [len(tokens)]
 
 
 def _generator(seed: int, position: int, salt: int, device) -> torch.Generator:

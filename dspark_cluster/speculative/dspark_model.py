@@ -1,0 +1,304 @@
+"""The DSpark drafter (DeepSeek's DSpark; reference design: deepseek-ai/DeepSpec `modeling/dspark`).
+
+A small transformer that drafts a whole block in one forward, conditioned on the target:
+- context: the target's raw hidden states after a few chosen decoder layers, for every committed
+  token, concatenated ([n_layers * H_target]) and fused by `fc` + RMSNorm; each drafter layer reads
+  them as extra keys/values (they are never queries);
+- block: slot 0 holds the anchor token (the last committed token, which the target has not run yet),
+  slots 1.. a mask token; the slots attend to each other both ways and to the context before the
+  anchor. Slot j proposes the token at anchor + j + 1;
+- low-rank Markov head: slot j's logits get the bias `W1[x_{j-1}] W2` of the token before it, so the
+  block is sampled left to right through this cheap head while the backbone ran once;
+- confidence head: `c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)`, trained toward 1 - TV(q_j, p_j),
+  the chance that slot j is accepted given that slot j-1 was.
+
+Our size (the bundled assets must stay small): the embedding and LM head are the target's, frozen
+and not stored; the drafter runs at a narrower width `hidden_size` with projections to and from the
+target's width, and the Markov factors are factored through the target's tables
+(W1 = E_in P [V, r], W2 = Q E_out^T [r, V]); they are materialised once for serving.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DSparkConfig:
+    target_hidden_size: int
+    vocab_size: int
+    target_layer_ids: list[int]  # decoder layers of the target whose outputs are the context
+    hidden_size: int = 128
+    num_layers: int = 1
+    num_heads: int = 2
+    intermediate_size: int = 256
+    block_size: int = 6  # slots per block = most tokens one forward proposes
+    markov_rank: int = 64  # 0: no Markov head
+    confidence_head: bool = True
+    mask_token_id: int = 1
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    target: dict = field(default_factory=dict)  # name, num_layers, fingerprints of the shared tables
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps({"model_type": "dspark_drafter", **asdict(self)}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "DSparkConfig":
+        raw = json.loads(Path(path).read_text())
+        raw.pop("model_type", None)
+        return cls(**raw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    """positions [..., T] -> cos, sin [..., T, 1, head_dim] (half-split layout)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    ang = positions[..., None].float() * inv
+    ang = torch.cat([ang, ang], dim=-1)[..., None, :]
+    return ang.cos(), ang.sin()
+
+
+def rope(x, cos_sin):
+    """Rotary embedding of x [..., T, heads, D] with rope_cos_sin's output."""
+    cos, sin = cos_sin
+    D = x.shape[-1]
+    rotated = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.c = c
+        self.input_norm = RMSNorm(d, c.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.post_norm = RMSNorm(d, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+
+    def context_kv(self, ctx, positions):
+        """Keys/values of fused context rows: ctx [..., T, d], positions [..., T] ->
+        k, v [..., T, heads, head_dim] (k normed and rotated)."""
+        shape = ctx.shape[:-1] + (self.c.num_heads, self.c.head_dim)
+        k = rope(self.k_norm(self.k_proj(ctx).view(shape)), rope_cos_sin(positions, self.c.head_dim, self.c.rope_theta))
+        return k, self.v_proj(ctx).view(shape)
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask):
+        """x [B, Q, d] block rows at `positions` [B, Q]; ctx_k/ctx_v [B, C, heads, hd]; mask [B, Q, C + Q]
+        bool (True: may attend) or None (everything)."""
+        B, Q, _ = x.shape
+        H, D = self.c.num_heads, self.c.head_dim
+        h = self.input_norm(x)
+        cs = rope_cos_sin(positions, D, self.c.rope_theta)
+        q = rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cs)
+        k = rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cs)
+        v = self.v_proj(h).view(B, Q, H, D)
+        k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
+        v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
+                                              attn_mask=None if mask is None else mask[:, None])
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, H * D))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DSparkDrafter(nn.Module):
+    """Parameters: `embed` / `lm_head` are the target's (frozen buffers, not saved); the rest is trained."""
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.c = c
+        Ht, d, V = c.target_hidden_size, c.hidden_size, c.vocab_size
+        self.register_buffer("embed", torch.zeros(V, Ht), persistent=False)
+        self.register_buffer("lm_head", torch.zeros(V, Ht), persistent=False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * Ht, d, bias=False)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.in_proj = nn.Linear(Ht, d, bias=False)
+        self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.out_proj = nn.Linear(d, Ht, bias=False)
+        self.out_norm = RMSNorm(Ht, c.rms_norm_eps)
+        r = c.markov_rank
+        if r:
+            self.markov_in = nn.Linear(Ht, r, bias=False)  # P: W1 = E_in P
+            self.markov_out = nn.Linear(r, Ht, bias=False)  # Q: W2 = Q E_out^T
+            nn.init.zeros_(self.markov_out.weight)  # start as no bias
+        if c.confidence_head:
+            self.confidence = nn.Linear(d + r, 1)
+        self._w1 = self._w2 = None  # materialised Markov factors (serving)
+
+    def set_target_tables(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.embed.copy_(embed)
+        self.lm_head.copy_(lm_head)
+        self._w1 = self._w2 = None
+
+    # ---- pieces shared by training and serving ----------------------------------------------
+    def fuse(self, target_hidden):
+        """target_hidden [..., n_layers * H_target] -> fused context [..., d]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def block_input(self, anchors, block_size: int):
+        """anchors [B] -> block embeddings [B, block_size, d]: the anchor, then mask tokens."""
+        ids = torch.full((anchors.shape[0], block_size), self.c.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        return self.in_proj(self.embed[ids])
+
+    def head(self, h):
+        """final block rows h [..., d] -> (normed rows [..., d], base logits [..., V] fp32)."""
+        hn = self.norm(h)
+        return hn, (self.out_norm(self.out_proj(hn)) @ self.lm_head.T).float()
+
+    def markov_factors(self):
+        """W1 [V, r], W2 [r, V] (materialised and cached when not training)."""
+        if not self.c.markov_rank:
+            return None, None
+        if self.training or self._w1 is None:
+            w1 = self.markov_in(self.embed)  # [V, r]
+            w2 = self.markov_out.weight.T @ self.lm_head.T  # [r, Ht] @ [Ht, V] -> [r, V]
+            if self.training:
+                return w1, w2
+            self._w1, self._w2 = w1.detach(), w2.detach().float()
+        return self._w1, self._w2
+
+    def markov_bias(self, prev, w1, w2):
+        """prev [...] token ids -> (W1[prev] [..., r], logit bias [..., V])."""
+        if w1 is None:
+            return None, 0.0
+        e = w1[prev]
+        return e, (e @ w2).float()
+
+    def confidence_logit(self, hn, e):
+        """[h ; W1[prev]] -> raw confidence logit [...] (None without a confidence head)."""
+        if not self.c.confidence_head:
+            return None
+        x = hn if e is None else torch.cat([hn, e.to(hn.dtype)], dim=-1)
+        return self.confidence(x).squeeze(-1)
+
+    # ---- training: many blocks of one window in one dense forward --------------------------
+    def forward_train(self, tokens, target_hidden, anchors):
+        """tokens [B, T] long; target_hidden [B, T, n_layers * H_target] (the target's chosen layer
+        outputs at each token); anchors [B, A] long positions (block b starts at anchors[:, b]).
+        Returns (z [B, A, S, V] Markov-corrected logits with teacher-forced previous tokens,
+        confidence logits [B, A, S] or None), S = block_size."""
+        B, T = tokens.shape
+        A, S = anchors.shape[1], self.c.block_size
+        dev = tokens.device
+        ctx = self.fuse(target_hidden)  # [B, T, d]
+        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        x = self.block_input(tokens.gather(1, anchors).reshape(-1), S).view(B, A * S, -1)
+        slot = torch.arange(S, device=dev)
+        qpos = (anchors[:, :, None] + slot).reshape(B, A * S)
+        # a block's slot sees the context strictly before its anchor, and its own block
+        see_ctx = ctx_pos[:, None, :] < anchors.repeat_interleave(S, dim=1)[:, :, None]  # [B, A*S, T]
+        blk = torch.arange(A * S, device=dev) // S
+        see_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
+        mask = torch.cat([see_ctx, see_blk], dim=2)
+        for layer in self.layers:
+            ck, cv = layer.context_kv(ctx, ctx_pos)
+            x = layer(x, qpos, ck, cv, mask)
+        hn, base = self.head(x.view(B, A, S, -1))
+        prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
+        w1, w2 = self.markov_factors()
+        e, bias = self.markov_bias(prev, w1, w2)
+        return base + bias, self.confidence_logit(hn, e)
+
+
+def dspark_loss(z, conf, labels, p_target, weight, ce_alpha=0.1, l1_alpha=0.9, conf_alpha=1.0):
+    """DSpark's loss. z [N, V] corrected draft logits; conf [N] logits or None; labels [N] the next
+    tokens; p_target [N, V] the target's law at the same positions; weight [N] (position decay x
+    validity). Returns (loss, metrics): CE + L1 (= 2 TV) toward the target + BCE of the confidence
+    toward 1 - TV (detached), each a weighted mean."""
+    wsum = weight.sum().clamp(min=1e-6)
+    logq = z.log_softmax(-1)
+    ce = -(logq.gather(1, labels[:, None]).squeeze(1))
+    l1 = (logq.exp() - p_target).abs().sum(-1)
+    accept = (1 - 0.5 * l1).clamp(0, 1).detach()
+    loss = ce_alpha * (ce * weight).sum() / wsum + l1_alpha * (l1 * weight).sum() / wsum
+    metrics = {"ce": float((ce * weight).sum().detach() / wsum), "tv": float((0.5 * l1 * weight).sum().detach() / wsum)}
+    if conf is not None:
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+        loss = loss + conf_alpha * (bce * weight).sum() / wsum
+        metrics["bce"] = float((bce * weight).sum().detach() / wsum)
+    return loss, metrics
+
+
+def block_weights(anchors, T: int, S: int, gamma: float = 4.0, loss_mask=None):
+    """anchors [B, A] -> (label positions [B, A, S], weights [B, A, S]): slot j's label is at
+    anchor + j + 1, weight exp(-j / gamma) while every label up to j is inside the window (and the
+    loss mask), 0 after (a hole ends the block's supervision)."""
+    slot = torch.arange(S, device=anchors.device)
+    pos = anchors[:, :, None] + slot + 1
+    valid = pos < T
+    if loss_mask is not None:
+        valid = valid & loss_mask.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos)
+    valid = valid.long().cumprod(-1).bool()
+    return pos.clamp(max=T - 1), valid * torch.exp(-slot.float() / gamma)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor, device="cpu") -> DSparkDrafter:
+    """A saved DSpark drafter (config.json + model.safetensors, any float dtype, upcast to fp32)
+    with the target's tables in place."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    c = DSparkConfig.load(path / "config.json")
+    model = DSparkDrafter(c)
+    state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"{path}: DSpark drafter tensors missing {missing[:4]} or unexpected {unexpected[:4]}")
+    model.set_target_tables(target_embed.float(), target_lm_head.float())
+    return model.to(device).eval()
+
+
+def tensor_fingerprint(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's fp32 bytes (which target the drafter was trained against)."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().float().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def save_drafter(model: DSparkDrafter, path, dtype=torch.float16) -> int:
+    """Save the trained parameters (not the target's tables) and the config. Returns bytes written."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    model.c.save(path / "config.json")
+    return sum(f.stat().st_size for f in path.iterdir())
+

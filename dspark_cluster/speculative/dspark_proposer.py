@@ -1,0 +1,226 @@
+"""DSparkProposer: serves a DSpark drafter behind the proposer interface (`propose`, `free`,
+`prefill`), plus `ingest`, which takes the target's exported context rows.
+
+Per sequence it keeps each drafter layer's context keys/values (computed once per committed token,
+at ingest). A proposal is one backbone forward over a block per sequence (batched, context padded),
+then k cheap Markov steps left to right, each giving the draft law q_i, the token and a confidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..sampling import filter_logits
+from .spec_decode import Proposal, _generator
+from .context import ContextRows
+from .dspark_model import DSparkConfig, load_drafter, tensor_fingerprint
+
+# rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
+# callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
+MAX_PENDING = 8
+
+
+@dataclass
+class _Context:
+    k: list = field(default_factory=list)  # per layer [capacity, heads, head_dim]
+    v: list = field(default_factory=list)
+    length: int = 0  # positions 0 .. length-1 are in k / v
+    pending: dict = field(default_factory=dict)  # start -> rows, past a gap
+    lost: bool = False  # rows went missing (e.g. the drafter restarted mid-sequence): no drafts
+
+
+def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target checkpoint's input embedding and LM head (the drafter shares them, frozen)."""
+    from safetensors import safe_open
+
+    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for f in sorted(Path(target_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in want:
+                if name in st.keys():
+                    want[name] = st.get_tensor(name)
+    if want["lm_head.weight"] is None and spec.tie_word_embeddings:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]
+    if any(v is None for v in want.values()):
+        raise ConfigError(f"speculative.draft_model: the target {target_path} lacks {[k for k, v in want.items() if v is None]}"
+                          " (a DSpark drafter needs the target's embedding and LM head)")
+    return want["model.embed_tokens.weight"], want["lm_head.weight"]
+
+
+def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
+    """Refuse a drafter trained against another target (ConfigError naming the key and the fix)."""
+    problems = []
+    if c.vocab_size != spec.vocab_size or c.target_hidden_size != spec.hidden_size:
+        problems.append(f"vocab/hidden {c.vocab_size}/{c.target_hidden_size} != the target's "
+                        f"{spec.vocab_size}/{spec.hidden_size}")
+    if max(c.target_layer_ids) >= spec.num_layers:
+        problems.append(f"target_layer_ids {c.target_layer_ids} beyond the target's {spec.num_layers} layers")
+    fp = c.target.get("embed_sha256")
+    if fp and fp != tensor_fingerprint(embed):
+        problems.append("its target's embedding differs from this target's")
+    fp = c.target.get("lm_head_sha256")
+    if fp and fp != tensor_fingerprint(lm_head):
+        problems.append("its target's LM head differs from this target's")
+    if problems:
+        raise ConfigError(f"speculative.draft_model: {path} was not trained for model.path's target: "
+                          f"{'; '.join(problems)}; train one with launch/train_dspark.py --target <model.path>")
+
+
+class DSparkProposer:
+    def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4):
+        path = Path(path)
+        c = DSparkConfig.load(path / "config.json")
+        embed, lm_head = target_tables(target_path, target_spec)
+        check_against_target(c, target_spec, embed, lm_head, path)
+        if num_tokens > c.block_size:
+            raise ConfigError(f"speculative.num_tokens: got {num_tokens}; the DSpark drafter {path.name} drafts at most "
+                              f"{c.block_size} tokens per block; use num_tokens <= {c.block_size}")
+        self.device = torch.device(device)
+        self.model = load_drafter(path, embed, lm_head, self.device)
+        self.c = c
+        self.layer_ids = tuple(c.target_layer_ids)
+        self.ctx: dict[int, _Context] = {}
+        self.ingested_rows = 0
+        self.misses = 0  # proposals skipped because the context was not there (yet)
+
+    # ---- context ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def ingest(self, rows: ContextRows) -> None:
+        for sid, start, hidden in rows:
+            st = self.ctx.setdefault(sid, _Context())
+            if st.lost:
+                continue
+            if start > st.length:
+                st.pending[start] = hidden
+                if len(st.pending) > MAX_PENDING:
+                    st.lost, st.pending = True, {}
+                continue
+            self._append(st, start, hidden)
+            while st.length in st.pending:
+                self._append(st, st.length, st.pending.pop(st.length))
+            self.ingested_rows += hidden.shape[0]
+
+    def _append(self, st: _Context, start: int, hidden) -> None:
+        """Write rows at positions start.. (truncating anything after: a recompute rewrites history)."""
+        n = hidden.shape[0]
+        fused = self.model.fuse(hidden.to(self.device, torch.float32))
+        pos = torch.arange(start, start + n, device=self.device)
+        end = start + n
+        for li, layer in enumerate(self.model.layers):
+            k, v = layer.context_kv(fused, pos)
+            if li >= len(st.k):
+                st.k.append(k.new_empty((max(64, 2 * end),) + k.shape[1:]))
+                st.v.append(v.new_empty((max(64, 2 * end),) + v.shape[1:]))
+            if st.k[li].shape[0] < end:
+                grow = lambda t: torch.cat([t, t.new_empty((max(end, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
+                st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
+            st.k[li][start:end] = k
+            st.v[li][start:end] = v
+        st.length = end
+
+    def ready(self, r) -> bool:
+        """Whether the context for this request's block is in (every token but the anchor)."""
+        st = self.ctx.get(r.seq_id)
+        return st is not None and not st.lost and st.length >= len(r.token_ids) - 1
+
+    def waiting_for(self, requests) -> list:
+        """Requests whose context may still arrive (not lost, not there yet)."""
+        return [r for r in requests if r.k > 0 and not self.ready(r) and not self.ctx.get(r.seq_id, _Context()).lost]
+
+    # ---- proposer interface -----------------------------------------------------------------
+    def prefill(self, requests) -> None:
+        pass  # the context comes from the target's prefill
+
+    def free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.ctx.pop(sid, None)
+
+    def memory_report(self) -> dict:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        ctx = sum(t.numel() * t.element_size() for st in self.ctx.values() for t in st.k + st.v)
+        return {"param_bytes": params, "shared_table_bytes": tables, "context_kv_bytes": ctx, "bytes_read": params}
+
+    def block_forward(self, requests):
+        """One backbone forward over a block per request (context ready): returns the final normed
+        rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
+        fewer mask slots would change what the trained slots see."""
+        m, dev, S = self.model, self.device, self.c.block_size
+        B = len(requests)
+        lens = [len(r.token_ids) - 1 for r in requests]  # context length = the anchor's position
+        C = max(lens)
+        x = m.block_input(torch.tensor([r.token_ids[-1] for r in requests], device=dev), S)
+        qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
+        mask = None
+        if min(lens) != C:  # padded context: hide the padding
+            see = torch.arange(C, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+            mask = torch.cat([see, see.new_ones(B, S)], dim=1)[:, None, :].expand(B, S, C + S)
+        for li, layer in enumerate(m.layers):
+            if B == 1:
+                st = self.ctx[requests[0].seq_id]
+                ck, cv = st.k[li][None, :C], st.v[li][None, :C]
+            else:
+                ck = x.new_zeros(B, C, self.c.num_heads, self.c.head_dim)
+                cv = torch.zeros_like(ck)
+                for b, r in enumerate(requests):
+                    st = self.ctx[r.seq_id]
+                    ck[b, : lens[b]] = st.k[li][: lens[b]]
+                    cv[b, : lens[b]] = st.v[li][: lens[b]]
+            x = layer(x, qpos, ck, cv, mask)
+        return m.head(x)
+
+    @torch.inference_mode()
+    def propose(self, requests) -> list[Proposal]:
+        out = [Proposal([]) for _ in requests]
+        active = [(i, r) for i, r in enumerate(requests) if r.k > 0 and self.ready(r)]
+        self.misses += sum(1 for r in requests if r.k > 0 and not self.ready(r))
+        if not active:
+            return out
+        m, dev = self.model, self.device
+        hn, base = self.block_forward([r for _, r in active])
+        w1, w2 = m.markov_factors()
+        temp = torch.tensor([r.temperature for _, r in active], device=dev)
+        top_k = torch.tensor([r.top_k for _, r in active], device=dev)
+        top_p = torch.tensor([r.top_p for _, r in active], device=dev)
+        K = max(r.k for _, r in active)
+        B, V = base.shape[0], base.shape[-1]
+        greedy = bool((temp == 0).all())
+        if not greedy:  # the race's noise for every step at once; seeded rows draw theirs by position
+            noise = torch.empty(B, K, V, device=dev).exponential_()
+            for b, (_, r) in enumerate(active):
+                if r.seed >= 0:
+                    for i in range(K):
+                        g = _generator(r.seed, r.position + i, 3, dev)
+                        noise[b, i] = torch.empty(V, device=dev).exponential_(generator=g)
+        prev = torch.tensor([r.token_ids[-1] for _, r in active], device=dev)
+        tokens, zs, laws, es = [], [], [], []
+        for i in range(K):  # left to right through the Markov head only (the backbone ran once)
+            e, bias = m.markov_bias(prev, w1, w2)
+            z = base[:, i] + bias
+            if greedy:
+                tok = z.argmax(-1)
+            else:
+                law = filter_logits(z, temp, top_k, top_p).softmax(-1)
+                tok = torch.where(temp == 0, z.argmax(-1), (law / noise[:, i]).argmax(-1))
+                laws.append(law)
+            tokens.append(tok)
+            zs.append(z)
+            es.append(e)
+            prev = tok
+        if greedy:  # the draft law (what verification of sampled rows would use), in one batched op
+            rep = lambda t: t.repeat_interleave(K)  # noqa: E731
+            laws = filter_logits(torch.stack(zs, 1).reshape(B * K, V), rep(temp), rep(top_k), rep(top_p)).softmax(-1)
+            laws = laws.view(B, K, V)
+        else:
+            laws = torch.stack(laws, 1)
+        tokens = torch.stack(tokens, 1)
+        conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
+        confs = torch.sigmoid(conf) if conf is not None else laws.gather(2, tokens[..., None]).squeeze(-1)
+        tokens, laws, confs = tokens.cpu(), laws.cpu(), confs.float().cpu()
+        for b, (i, r) in enumerate(active):
+            out[i] = Proposal(tokens[b, : r.k].tolist(), laws[b, : r.k], confs[b, : r.k])
+        return out

@@ -1,0 +1,210 @@
+"""The DSpark drafter: its serving path is its training path, the workers export exactly the
+target's states of the committed tokens, and speculation with it is lossless in both executors."""
+
+import pytest
+import torch
+
+from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.errors import ConfigError
+
+from conftest import build_dspark, random_prompts
+from test_speculative import joint_counts, small_vocab, two_sample_pvalue  # noqa: F401 -- fixture
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def dspark_config(draft, k=4, **parallel):
+    return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
+            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k}}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([5, 17, 9, 28, 3], seed=43)
+
+
+@pytest.fixture(scope="module")
+def drafters(checkpoint, tmp_path_factory):
+    """arch -> a random DSpark drafter built for that test checkpoint (context: layers 0 and 1)."""
+    cache = {}
+
+    def get(arch, **kw):
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = build_dspark(checkpoint(arch), tmp_path_factory.mktemp(f"dspark-{arch}"), layers=(0, 1), **kw)
+        return cache[key]
+
+    return get
+
+
+def test_serving_forward_is_the_training_forward(checkpoint, drafters):
+    """Context ingested row by row, then one block, gives the logits and confidences of the dense
+    masked training forward at the same anchor (RoPE positions, masks and Markov bias included)."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.context import ContextRows
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    target = checkpoint("qwen3_moe")
+    prop = DSparkProposer(drafters("qwen3_moe"), str(target), load_spec(str(target), "float32"), num_tokens=4)
+    T, F = 16, 2 * 64
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 160, (1, T))
+    hidden = torch.randn(1, T, F)
+    for a, b in ((0, 5), (5, 6), (6, 10)):  # chunks, as prefill and verify rounds deliver them
+        prop.ingest(ContextRows(torch.tensor([7]), torch.tensor([a]), torch.tensor([b - a]), hidden[0, a:b]))
+    anchor = 10
+    req = DraftRequest(7, tokens[0, : anchor + 1].tolist(), 4)
+    hn, base = prop.block_forward([req])
+    m = prop.model
+    # training: the same anchor, teacher-forced previous tokens = the tokens after the anchor
+    z, conf = m.forward_train(tokens, hidden, torch.tensor([[anchor]]))
+    w1, w2 = m.markov_factors()
+    prev = tokens[0, anchor : anchor + 4]
+    e, bias = m.markov_bias(prev, w1, w2)
+    torch.testing.assert_close(base[0] + bias, z[0, 0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(m.confidence_logit(hn[0], e), conf[0, 0], atol=1e-4, rtol=1e-4)
+    # a later chunk that arrives before an earlier one waits for it; a recompute rewrites history
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([4]), torch.tensor([2]), hidden[0, 4:6]))
+    assert prop.ctx[8].length == 0 and 4 in prop.ctx[8].pending
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([4]), hidden[0, :4]))
+    assert prop.ctx[8].length == 6 and not prop.ctx[8].pending
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([3]), hidden[0, :3]))
+    assert prop.ctx[8].length == 3
+
+
+def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, drafters, prompts):
+    """What reaches the drafter, position by position, equals transformers' hidden states of the
+    final sequence (so rejected drafts never leak in), and the step's byte count is those rows'."""
+    from conftest import hf_model
+
+    target = checkpoint("deepseek_v3")
+    llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
+    backend = llm.engine.drafter.backend
+    seen, ingest = [], backend.ingest
+
+    def spy(rows):
+        seen.append(rows)
+        ingest(rows)
+
+    backend.ingest = spy
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.engine.drafter.stats.summary()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # rejections happened
+    by_seq = {}
+    for rows in seen:
+        for sid, start, h in rows:
+            by_seq.setdefault(sid, {}).update({start + i: h[i] for i in range(h.shape[0])})
+    hf = hf_model(target)
+    for o in outs:
+        seq = o.prompt_token_ids + o.token_ids
+        with torch.no_grad():
+            hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0, : len(seq) - 1]
+        # this request's rows: every token but the last (which the target has not run yet)
+        rows = next(r for r in by_seq.values() if torch.allclose(r[0], want[0], atol=1e-4) and len(r) == len(seq) - 1)
+        assert sorted(rows) == list(range(len(seq) - 1))
+        torch.testing.assert_close(torch.stack([rows[p] for p in range(len(seq) - 1)]), want, atol=1e-4, rtol=1e-4)
+    exported = sum(s["export_bytes"] for s in llm.engine.step_stats)
+    assert exported == sum(r.nbytes for r in seen) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_output_is_identical_with_dspark(arch, checkpoint, drafters, prompts):
+    target = checkpoint(arch)
+    base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
+    llm = LLM(target, config=dspark_config(drafters(arch), k=3))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == base
+    stats = llm.engine.drafter.stats.summary()
+    assert stats["verify_rounds"] > 0 and stats["num_draft_tokens"] > 0
+    assert llm.engine.drafter.backend.misses == 0  # in process the context is always there in time
+    conf = stats["mean_confidence_by_position"]
+    assert len(conf) == 3 and all(0 < c < 1 for c in conf)
+
+
+@pytest.mark.parametrize("k, top_p", [(2, 1.0), (3, 0.8)])
+def test_dspark_sampling_is_lossless(k, top_p, small_vocab, tmp_path):  # noqa: F811
+    n = 3000
+    prompt = [1, 5, 2, 3, 1, 5, 2]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, ignore_eos=True)
+    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
+    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    llm = LLM(small_vocab["target"], config={"scheduler": sched, "speculative": {
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k}})
+    spec = llm.generate([prompt] * n, params)
+    stats = llm.engine.drafter.stats.summary()
+    assert stats["num_draft_tokens"] > n / 2 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert two_sample_pvalue(joint_counts(base), joint_counts(spec)) > 0.001
+
+
+def test_dspark_config_is_checked_against_the_target(checkpoint, drafters):
+    draft = drafters("qwen3_moe")
+    with pytest.raises(ConfigError, match="speculative.num_tokens"):
+        LLM(checkpoint("qwen3_moe"), config=dspark_config(draft, k=5))  # the block holds 4
+    with pytest.raises(ConfigError, match="was not trained for model.path's target"):
+        LLM(checkpoint("deepseek_v3"), config=dspark_config(draft))  # another target's tables
+    with pytest.raises(ConfigError, match="draft_tensor"):
+        LLM(checkpoint("qwen3_moe"), config={**dspark_config(draft), "speculative": {
+            "method": "dspark", "draft_model": str(draft), "draft_tensor": 2, "draft_workers": 2}})
+
+
+@pytest.mark.parametrize("draft_workers", [1, 2])
+def test_greedy_identical_through_ray_with_dspark(draft_workers, checkpoint, drafters, prompts, ray_cluster):
+    """The workers send the context rows straight to the drafter actors that own the sequences."""
+    import ray
+
+    target = checkpoint("deepseek_v3")
+    base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
+    cfg = dspark_config(drafters("deepseek_v3"), executor="ray", tensor=2)
+    cfg["speculative"]["draft_workers"] = draft_workers
+    llm = LLM(target, config=cfg)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == base
+        drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+        assert drafted > 0
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
+        assert sum(c["ingested_rows"] for c in ctx) >= sum(len(p) for p in prompts)
+        stats = ray.get(llm.router.stats.remote())
+        assert stats["speculative"]["num_draft_tokens"] == drafted
+    finally:
+        llm.shutdown()
+
+
+def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, ray_cluster):
+    """Running sequences go on without drafts (the new drafter has none of their context); requests
+    that start after the restart speculate again, their context sent to the new actors."""
+    import time
+
+    import ray
+
+    target = checkpoint("deepseek_v3")
+    prompts = random_prompts([6, 11, 4, 9, 14, 7], seed=44)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
+    llm = LLM(target, config=dspark_config(drafters("deepseek_v3"), executor="ray"))
+    try:
+        ref = llm.router.generate.remote(prompts, [params] * len(prompts))
+        deadline = time.monotonic() + 60
+        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        old = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        for name in old:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        assert [o.token_ids for o in ray.get(ref, timeout=300)] == base
+        deadline = time.monotonic() + 120
+        while True:
+            out = llm.generate(prompts[:1], params)[0]
+            assert out.token_ids == base[0]
+            if out.metrics["num_draft_tokens"] > 0:
+                break
+            assert time.monotonic() < deadline, "the restarted DSpark drafter never took over"
+            time.sleep(0.5)
+        new = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        assert new and not set(new) & set(old)
+    finally:
+        llm.shutdown()
