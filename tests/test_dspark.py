@@ -71,6 +71,10 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
     assert prop.ctx[8].length == 6 and not prop.ctx[8].pending
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([3]), hidden[0, :3]))
     assert prop.ctx[8].length == 3
+    # rows that arrive after their sequence was freed are dropped (no memory held for ever)
+    prop.free([8])
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([3]), torch.tensor([1]), hidden[0, 3:4]))
+    assert 8 not in prop.ctx
 
 
 def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, drafters, prompts):

@@ -8,6 +8,7 @@ then k cheap Markov steps left to right, each giving the draft law q_i, the toke
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from .dspark_model import DSparkConfig, load_drafter, tensor_fingerprint
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
 MAX_PENDING = 8
+RECENTLY_FREED = 65536
 
 
 @dataclass
@@ -84,6 +86,10 @@ class DSparkProposer:
         self.c = c
         self.layer_ids = tuple(c.target_layer_ids)
         self.ctx: dict[int, _Context] = {}
+        # recently freed sequences: with executor ray a step's rows (from a worker) may arrive after
+        # the free (from the Router) of a sequence that step finished; they must not hold memory
+        self._freed_order: deque = deque(maxlen=RECENTLY_FREED)
+        self._freed: set = set()
         self.ingested_rows = 0
         self.misses = 0  # proposals skipped because the context was not there (yet)
 
@@ -91,6 +97,8 @@ class DSparkProposer:
     @torch.inference_mode()
     def ingest(self, rows: ContextRows) -> None:
         for sid, start, hidden in rows:
+            if sid in self._freed:  # a finished sequence's last rows, arriving after its free()
+                continue
             st = self.ctx.setdefault(sid, _Context())
             if st.lost:
                 continue
@@ -138,6 +146,10 @@ class DSparkProposer:
     def free(self, seq_ids) -> None:
         for sid in seq_ids:
             self.ctx.pop(sid, None)
+            if len(self._freed_order) == self._freed_order.maxlen:
+                self._freed.discard(self._freed_order[0])
+            self._freed_order.append(sid)
+            self._freed.add(sid)
 
     def memory_report(self) -> dict:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
