@@ -31,6 +31,14 @@ class RayMetrics:
         self.rebalances = Gauge("dspark_expert_rebalances", "Expert placements committed so far", tag_keys=tags)
         self.draft_tokens = Counter("dspark_spec_draft_tokens_total", "Draft tokens proposed", tag_keys=tags)
         self.accepted_tokens = Counter("dspark_spec_accepted_tokens_total", "Draft tokens accepted", tag_keys=tags)
+        self.drafted = Counter("dspark_spec_drafted_positions_total", "Draft positions proposed (verified or not)",
+                               tag_keys=tags)
+        self.verified = Counter("dspark_spec_verified_positions_total", "Draft positions the verify budget admitted",
+                                tag_keys=tags)
+        self.verify_budget = Gauge("dspark_spec_verify_budget", "Tokens the last step ran, drafts verified included",
+                                   tag_keys=tags)
+        self.verified_share = Gauge("dspark_spec_verified_share", "Share of the last step's drafts that were verified",
+                                    tag_keys=tags)
         self.restarts = Counter("dspark_engine_restarts_total", "Restarts of the target's workers after a lost worker",
                                 tag_keys=tags)
 
@@ -41,6 +49,12 @@ class RayMetrics:
         self.kv_used.set(s["kv_blocks_used"], self.tags)
         if s["num_preempted"]:
             self.preemptions.inc(s["num_preempted"], self.tags)
+        self.verify_budget.set(s["verify_budget"], self.tags)
+        if s["num_drafted"]:
+            self.drafted.inc(s["num_drafted"], self.tags)
+            self.verified_share.set(s["num_verified"] / s["num_drafted"], self.tags)
+        if s["num_verified"]:
+            self.verified.inc(s["num_verified"], self.tags)
 
     def observe_restarts(self, count: int) -> None:
         self.restarts.inc(count, self.tags)

@@ -220,7 +220,7 @@ class AsyncEngine:
             "steps": self.engine.step_record,
             "kv_blocks_total": self.engine.num_blocks * self.engine.num_groups,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
-            "speculative": self.engine.drafter.stats.summary() if self.engine.drafter is not None else None,
+            "speculative": self.engine.speculative_summary(),
             "experts": self.engine.balancer.summary() if self.engine.balancer is not None else None,
         }
 
@@ -248,7 +248,7 @@ class AsyncEngine:
             "async_scheduling": eng.async_scheduling,
             "overlapped_steps": eng.num_overlapped_steps,
             "speculation_enabled": eng.scheduler.speculation_enabled,
-            "speculative": eng.drafter.stats.summary() if eng.drafter is not None else None,
+            "speculative": eng.speculative_summary(),
         }
 
     def rebalance_now(self) -> None:

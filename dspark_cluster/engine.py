@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from .config import Config
@@ -26,7 +27,8 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative.proposers import DraftRequest
 from .speculative.spec_decode import Proposal
-from .step import StepInput, StepOutput, build_step_input, execute_step
+from .speculative.verify_budget import StepCost, VerifyPlanner
+from .step import StepInput, StepOutput, build_step_input, execute_step, profile_input
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class _InFlight:
     submit_s: float
     ahead_ok: bool  # built for async scheduling: the next step may take its tokens as inputs
     processed: bool = False  # its tokens were handed to the scheduler
+    scheduled_ahead: bool = False  # submitted while the step before it ran (its wait includes that one)
 
 
 def _rollback(scheds: list) -> None:
@@ -151,6 +154,9 @@ class LLMEngine:
                       self.max_model_len, lookahead)
             for _ in range(self.num_groups)
         ]
+        self.planner: Optional[VerifyPlanner] = None  # speculative.schedule: confidence
+        if self.drafter is not None and cfg.speculative.schedule == "confidence":
+            self.planner = VerifyPlanner(lookahead, self._profile_step_cost(), cfg.speculative.method)
         self.balancer = None
         if self.spec.is_moe:
             from .balancer import ExpertBalancer
@@ -165,6 +171,7 @@ class LLMEngine:
         self.step_stats: deque = deque(maxlen=STEP_STATS_KEPT)  # the latest steps (bounded: servers run for long)
         self.step_record: Optional[list] = None  # every step's stats, when a run's report asks for them
         self.num_steps = self.num_overlapped_steps = 0
+        self.num_drafted = self.num_verified = 0  # draft positions proposed / verified, over the run
         # fault tolerance (executor ray): target restarts so far, and whether one is under way
         self.num_restarts, self.restarting = 0, False
         self.last_restart: Optional[dict] = None  # step, teardown and start-up seconds of the last restart
@@ -174,6 +181,30 @@ class LLMEngine:
         self.async_scheduling = cfg.parallel.executor == "ray" if mode == "auto" else bool(mode)
         self._inflight: Optional[_InFlight] = None
         self._scheduling = None  # the step being submitted (to fail its requests if that fails)
+
+    def _profile_step_cost(self, repeats: int = 5) -> StepCost:
+        """T(B) at start-up: greedy verify steps of B tokens (up to the most a step can verify:
+        max_num_seqs rows of 1 + num_tokens), the fastest of `repeats` after one warm-up each."""
+        sc, k = self.cfg.scheduler, self.cfg.speculative.num_tokens
+        rows_max = sc.max_num_seqs
+        cap = max(1, min(sc.max_num_batched_tokens, rows_max * (1 + k)))
+        grid = sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} | {cap})
+        tokens, seconds = [], []
+        for B in grid:
+            rows = min(B, rows_max)
+            q = -(-B // rows)
+            inp = profile_input(rows, q, self.block_size, self.num_blocks)
+            times = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                self.executor.wait(self.executor.submit([inp] * self.num_groups if self.num_groups > 1 else inp))
+                times.append(time.perf_counter() - t)
+            if rows * q not in tokens:
+                tokens.append(rows * q)
+                seconds.append(min(times[1:]))
+        log.info("step cost profile (tokens: ms): %s",
+                 ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in zip(tokens, seconds)))
+        return StepCost(tokens, seconds)
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Union[str, list[int]]) -> list[int]:
@@ -268,10 +299,11 @@ class LLMEngine:
             self._apply_speculation()
         try:
             if step is None:
+                self._plan_drafts()
                 step = self._schedule_and_submit(events, None)
                 if step is None:
                     return self._free_drafts(events)
-            if step.ahead_ok and self._overlap():
+            if step.ahead_ok and self._plan_drafts() and self._overlap():
                 self._inflight = self._schedule_and_submit(events, step)
             events.extend(self._process(step, t0))
         except BaseException as e:
@@ -353,7 +385,20 @@ class LLMEngine:
 
     def _overlap(self) -> bool:
         """Schedule ahead: on when configured, off while speculating (drafts need the last tokens)."""
-        return self.async_scheduling and not any(g.speculation_enabled for g in self.schedulers)
+        return self.async_scheduling and not any(g.speculation_enabled and g.lookahead for g in self.schedulers)
+
+    def _plan_drafts(self) -> bool:
+        """Confidence schedule: choose how many positions the next step drafts (0 at a load where
+        drafting does not pay: that step is plain decoding and may be scheduled ahead). True always."""
+        if self.planner is not None:
+            if any(g.speculation_enabled for g in self.schedulers):
+                rows = sum(min(g.max_num_seqs, len(g.running) + len(g.waiting)) for g in self.schedulers)
+                k = self.planner.draft_len(rows)
+            else:
+                k = 0
+            for g in self.schedulers:
+                g.lookahead = k
+        return True
 
     def _schedule_and_submit(self, events: list, prev: Optional["_InFlight"]) -> Optional["_InFlight"]:
         """Schedule every data-parallel group and submit the step. `prev`: the step still in flight,
@@ -370,8 +415,10 @@ class LLMEngine:
             raise
 
     def _submit(self, scheds: list, prev: Optional["_InFlight"]) -> "_InFlight":
-        self._attach_drafts([s for sc in scheds for s in sc.scheduled])
-        if self.drafter is not None:  # drafter prompt prefill overlaps the target's prefill step
+        self._attach_drafts(scheds)
+        # drafter prompt prefill overlaps the target's prefill step (not while the confidence schedule
+        # drafts nothing: a proposal catches up on what it missed)
+        if self.drafter is not None and (self.planner is None or any(g.lookahead for g in self.schedulers)):
             self.drafter.prefill_async([
                 DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
                 if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
@@ -398,7 +445,7 @@ class LLMEngine:
                 extra.commit_placement, extra.placement_update = inputs[0].commit_placement, inputs[0].placement_update
         t = time.perf_counter()
         handle = self.executor.submit(inputs if self.num_groups > 1 else inputs[0])
-        return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok)
+        return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok, scheduled_ahead=prev is not None)
 
     def _process(self, step: "_InFlight", t0: float) -> list[TokenEvent]:
         """Wait for a submitted step and advance its sequences with the tokens it sampled."""
@@ -431,6 +478,8 @@ class LLMEngine:
                 for s in rows:
                     if s.proposal is not None:
                         self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1, s.proposal.confidences)
+                    if self.planner is not None and s.draft_confidences is not None and s.seq.seq_id in sampled:
+                        self.planner.observe(s.draft_confidences, s.num_draft, len(sampled[s.seq.seq_id]) - 1)
             for seq, new in g.update(sc.scheduled, sampled):
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
@@ -451,20 +500,36 @@ class LLMEngine:
                 "num_preempted": sum(len(sc.preempted) for sc in scheds),
                 "overlapped": self._inflight is not None,  # the next step ran while this one was processed
                 "export_bytes": sum(o.export_bytes for o in outs),  # DSpark context rows sent to the drafter
+                # speculation: positions drafted and verified this step (the verify budget is
+                # num_tokens + num_verified: every token the step ran)
+                "num_drafted": sum(len(s.draft_confidences) - int(np.isnan(s.draft_confidences).sum())
+                                   if s.draft_confidences is not None else s.num_draft
+                                   for sc in scheds for s in sc.scheduled),
+                "num_verified": sum(s.num_draft for sc in scheds for s in sc.scheduled),
+                "draft_len": max((s.num_lookahead for sc in scheds for s in sc.scheduled), default=0),
             }
         )
+        stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
+        if self.planner is not None and not stats["overlapped"] and not step.scheduled_ahead:
+            self.planner.step_cost.observe(max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds),
+                                           execute_time)
         self.step_stats.append(stats)
         if self.step_record is not None:
             self.step_record.append(stats)
         self.num_steps += 1
         self.num_overlapped_steps += stats["overlapped"]
+        self.num_drafted += stats["num_drafted"]
+        self.num_verified += stats["num_verified"]
         return events
 
-    def _attach_drafts(self, scheduled) -> None:
-        """Ask the drafter for the decode rows that reserved draft slots."""
+    def _attach_drafts(self, scheds) -> None:
+        """Ask the drafter for the decode rows that reserved draft slots; with the confidence
+        schedule, keep of each proposal the prefix the verify budget admits."""
         if self.drafter is None:
             return
-        rows = [s for s in scheduled if s.num_lookahead]
+        rows = [s for sc in scheds for s in sc.scheduled if s.num_lookahead]
+        if self.planner is not None and self.planner.exploring:
+            rows = rows[: self.planner.explore_rows]  # drafting only to refresh the estimates
         if not rows:
             return
         reqs = [
@@ -473,18 +538,51 @@ class LLMEngine:
                          -1 if s.seq.params.seed is None else s.seq.params.seed, s.seq.num_output_tokens)
             for s in rows
         ]
-        for s, prop in zip(rows, self.drafter.propose(reqs)):
+        t = time.perf_counter()
+        props = self.drafter.propose(reqs)
+        draft_s = time.perf_counter() - t
+        for s, prop in zip(rows, props):
             if prop.tokens:
                 s.proposal = Proposal(prop.tokens[: s.num_lookahead],
                                       None if prop.probs is None else prop.probs[: s.num_lookahead],
                                       None if prop.confidences is None else prop.confidences[: s.num_lookahead])
+        if self.planner is not None:
+            self.planner.drafted(len(reqs), max(s.num_lookahead for s in rows), draft_s)
+            for sc in scheds:
+                self._apply_verify_budget(sc, draft_s)
         if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
             self._apply_speculation()
+
+    def _apply_verify_budget(self, sc, draft_s: float) -> None:
+        """Cut each proposal of one group's step to the verify length the budget gives it."""
+        rows = [s for s in sc.scheduled if s.proposal is not None]
+        if not rows:
+            return
+        raw = np.stack([self.planner.raw_confidences(s.proposal.confidences, s.num_draft) for s in rows])
+        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
+        for s, conf, n in zip(rows, raw, lengths.tolist()):
+            s.draft_confidences = conf
+            p = s.proposal
+            s.proposal = None if n == 0 else Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n],
+                                                      None if p.confidences is None else p.confidences[:n])
 
     def rebalance_now(self) -> None:
         """Rebalance experts at the next step (world > 1), whatever the interval."""
         if self.balancer is not None:
             self.balancer.request()
+
+    def speculative_summary(self) -> Optional[dict]:
+        """The drafter's acceptance figures; with the confidence schedule also the verify budget's
+        (draft positions verified / drafted, STS temperatures, ECE by position, the step cost model)."""
+        if self.drafter is None:
+            return None
+        out = self.drafter.stats.summary()
+        out["schedule"] = self.cfg.speculative.schedule
+        out["num_drafted_positions"] = self.num_drafted
+        out["verified_share"] = self.num_verified / self.num_drafted if self.num_drafted else float("nan")
+        if self.planner is not None:
+            out["calibration"] = self.planner.summary()
+        return out
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation on or off for every request, at run time."""

@@ -118,7 +118,16 @@ def format_summary(summary: dict) -> str:
             ("mean confidence by position", " ".join(_num(c, 1, ".2f") for c in spec.get("mean_confidence_by_position", []))
              or "n/a"),
             ("draft / verify time (s)", f"{_num(spec['draft_time_s'], 1, '.2f')} / {_num(spec['verify_time_s'], 1, '.2f')}"),
+            ("schedule, drafts verified", f"{spec.get('schedule', 'static')}, {_num(spec.get('verified_share'), 100, '.0f')}%"),
         ]
+        cal = spec.get("calibration") or {}
+        if cal.get("ece_after_by_position"):
+            rows += [
+                ("STS temperatures", " ".join(_num(t, 1, ".2f") for t in cal["temperatures"])),
+                ("ECE by position raw (%)", " ".join(_num(e, 100, ".1f") for e in cal["ece_before_by_position"])),
+                ("ECE by position STS (%)", " ".join(_num(e, 100, ".1f") for e in cal["ece_after_by_position"])),
+                ("ECE noise floor (%)", " ".join(_num(e, 100, ".1f") for e in cal.get("ece_floor_by_position", []))),
+            ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -151,8 +160,10 @@ def write_report(report: dict, out_dir) -> list[Path]:
     import matplotlib.pyplot as plt
 
     kv_total = (report.get("summary") or {}).get("kv_blocks_total")
-    for name, draw in (("latency.png", _plot_latency), ("kv_usage.png", _plot_kv_usage),
-                       ("step_time.png", _plot_step_time)):
+    plots = [("latency.png", _plot_latency), ("kv_usage.png", _plot_kv_usage), ("step_time.png", _plot_step_time)]
+    if any(s.get("num_drafted") for s in steps):
+        plots.append(("verify_budget.png", _plot_verify_budget))
+    for name, draw in plots:
         fig = draw(plt, requests, steps, kv_total)
         path = out_dir / name
         fig.savefig(path, dpi=110)
@@ -247,6 +258,25 @@ def _plot_step_time(plt, requests, steps, kv_total):
         _no_data(ax)
     return fig
 
+
+def _plot_verify_budget(plt, requests, steps, kv_total):
+    """Tokens each step ran (the verify budget B) against its batch size, beside the two fixed
+    policies: no speculation (B = sequences) and every draft verified."""
+    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
+    pts = [(s["num_seqs"], s["verify_budget"], s["num_tokens"] + s["num_drafted"]) for s in steps
+           if s.get("verify_budget") is not None and s.get("num_drafted") is not None]
+    n = np.array([p[0] for p in pts], dtype=float)
+    ax.scatter(n, [p[1] for p in pts], s=8, alpha=0.5, color="tab:blue", label="verify budget B (chosen)")
+    ax.scatter(n, [p[2] for p in pts], s=8, alpha=0.3, color="tab:orange", marker="x", label="every draft verified")
+    top = max(n.max(), 1)
+    ax.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="no speculation (B = sequences)")
+    ax.set_title("Verify budget against batch size")
+    ax.set_xlabel("sequences in the step")
+    ax.set_ylabel("tokens the step ran")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
 
 
 def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:

@@ -30,6 +30,8 @@ class ScheduledSeq:
     samples: bool  # the chunk reaches the end of the tokens, so the next token is sampled
     num_lookahead: int = 0  # KV slots reserved for drafts (speculative decode rows)
     proposal: Optional[Proposal] = None  # drafts to verify, filled in before the step
+    # schedule confidence: the raw confidences [K] of every drafted position, verified or not
+    draft_confidences: Optional[object] = None
 
     @property
     def num_draft(self) -> int:
@@ -51,7 +53,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  lookahead: int = 0):
         self.blocks = block_manager
-        self.lookahead = lookahead  # drafts per speculative decode row (0: no speculation)
+        # drafts per speculative decode row (0: no speculation); the confidence schedule sets it per step
+        self.lookahead = lookahead
         self.speculation_enabled = lookahead > 0  # global run-time switch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -166,6 +166,24 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
     )
 
 
+def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int) -> StepInput:
+    """A step of num_rows greedy verify rows of tokens_per_row tokens each (the last tokens_per_row - 1
+    of them drafts), for timing the step at start-up. Its KV goes to the pool's first blocks, which
+    hold nothing yet (a sequence overwrites its slots before it reads them)."""
+    q = tokens_per_row
+    nb = -(-q // block_size)
+    tables = torch.arange(num_rows * nb).view(num_rows, nb) % max(num_blocks, 1)
+    S = num_rows
+    out = StepInput(
+        input_ids=torch.zeros(S * q, dtype=torch.long), query_lens=torch.full((S,), q), context_lens=torch.full((S,), q),
+        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.zeros(S), top_k=torch.zeros(S, dtype=torch.long),
+        top_p=torch.ones(S), seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long),
+        block_size=block_size)
+    if q > 1:
+        out.draft_tokens, out.num_draft = torch.zeros(S, q - 1, dtype=torch.long), torch.full((S,), q - 1)
+    return out
+
+
 def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
     K = max((len(d) for d in drafts), default=0)
     if K == 0:

@@ -111,8 +111,8 @@ def main():
                     print("OUTPUT DIFFERS", flush=True)
         st = spec.engine.drafter.stats.summary()
         steps = list(spec.engine.step_stats)[first:]
-        verify = [s["execute_s"] for s in steps if s["num_tokens"] == k + 1]  # decode + k drafts, batch 1
-        export = [s["export_bytes"] for s in steps if s["num_tokens"] == k + 1]
+        verify = [s["execute_s"] for s in steps if s["verify_budget"] == k + 1]  # decode + k drafts, batch 1
+        export = [s["export_bytes"] for s in steps if s["verify_budget"] == k + 1]
         rounds = st["verify_rounds"]
         draft_ms = st["draft_time_s"] / rounds * 1e3
         c = draft_ms / 1e3 / t_decode

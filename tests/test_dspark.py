@@ -154,15 +154,17 @@ def test_dspark_config_is_checked_against_the_target(checkpoint, drafters):
             "method": "dspark", "draft_model": str(draft), "draft_tensor": 2, "draft_workers": 2}})
 
 
-@pytest.mark.parametrize("draft_workers", [1, 2])
-def test_greedy_identical_through_ray_with_dspark(draft_workers, checkpoint, drafters, prompts, ray_cluster):
-    """The workers send the context rows straight to the drafter actors that own the sequences."""
+@pytest.mark.parametrize("draft_workers, schedule", [(1, "static"), (2, "confidence")])
+def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, checkpoint, drafters, prompts, ray_cluster):
+    """The workers send the context rows straight to the drafter actors that own the sequences; the
+    confidence schedule (profiled through the Ray workers) keeps the output too."""
     import ray
 
     target = checkpoint("deepseek_v3")
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
     cfg = dspark_config(drafters("deepseek_v3"), executor="ray", tensor=2)
     cfg["speculative"]["draft_workers"] = draft_workers
+    cfg["speculative"]["schedule"] = schedule
     llm = LLM(target, config=cfg)
     try:
         outs = llm.generate(prompts, GREEDY)
@@ -174,6 +176,11 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, checkpoint, dra
         assert sum(c["ingested_rows"] for c in ctx) >= sum(len(p) for p in prompts)
         stats = ray.get(llm.router.stats.remote())
         assert stats["speculative"]["num_draft_tokens"] == drafted
+        assert stats["speculative"]["schedule"] == schedule
+        if schedule == "confidence":
+            table = stats["speculative"]["calibration"]["step_cost"]
+            assert table["tokens"][0] == 1 and all(t > 0 for t in table["profiled_s"])
+            assert 0 < stats["speculative"]["verified_share"] <= 1
     finally:
         llm.shutdown()
 

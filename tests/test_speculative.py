@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.speculative.verify_budget import StepCost
 
 from conftest import random_prompts
 
@@ -357,3 +358,54 @@ def test_greedy_identical_with_a_tensor_parallel_drafter(checkpoint, prompts, ra
         assert ray.get(llm.router.stats.remote())["speculative"]["drafter_failures"] == 0
     finally:
         llm.shutdown()
+
+
+class _FixedCost(StepCost):
+    """A step cost that live steps do not correct: T(B) = 1 + B / 512 s (a slot is then verified
+    when its survival is above about N / (512 + N), one half in a full batch)."""
+
+    def observe(self, num_tokens, seconds):
+        pass
+
+
+def _set_confidences(llm, reads: str) -> None:
+    """Replace the drafter's confidences with deliberately wrong ones: 0.95 after (or, for "own",
+    at) an even token, 0.05 after an odd one, whatever the drafter's law says."""
+    inner = llm.engine.drafter.propose
+
+    def propose(reqs):
+        props = inner(reqs)
+        for r, p in zip(reqs, props):
+            toks = [r.token_ids[-1]] + list(p.tokens)
+            src = toks[:-1] if reads == "previous" else toks[1:]
+            p.confidences = torch.tensor([0.95 if t % 2 == 0 else 0.05 for t in src])
+        return props
+
+    llm.engine.drafter.propose = propose
+
+
+@pytest.mark.parametrize("reads, lossless", [("previous", True), ("own", False)])
+def test_confidence_schedule_is_lossless_with_wrong_confidences(reads, lossless, small_vocab):
+    """The verify budget with the confidence schedule on, fed confidences that are badly wrong but
+    read only the tokens before their own (what a DSpark confidence head reads): the law is the
+    target's. The same test catches the mistake of letting a token's own confidence decide whether
+    it is verified (DSpark, Appendix A): that law differs."""
+    n = 3000
+    prompt = [1, 5, 2, 3, 1, 5, 2]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)  # 2 drafts fit after the 1st token
+    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    # the flattest target: the law test sees most
+    base = LLM(small_vocab["mild"], config={"scheduler": sched}).generate([prompt] * n, params)
+    cfg = {"scheduler": sched, "speculative": {"method": "draft_model", "num_tokens": 2, "schedule": "confidence",
+                                               "draft_model": str(small_vocab["poor"])}}
+    llm = LLM(small_vocab["mild"], config=cfg)
+    planner = llm.engine.planner
+    planner.step_cost = _FixedCost([1, 512, 4096], [1 + 1 / 512, 2.0, 9.0])
+    planner.refit_every = 10**9  # keep the wrong confidences as they are (STS would soften them)
+    _set_confidences(llm, reads)
+    spec = llm.generate([prompt] * n, params)
+    steps = list(llm.engine.step_stats)
+    drafted, verified = sum(s["num_drafted"] for s in steps), sum(s["num_verified"] for s in steps)
+    assert 0 < verified < drafted / 1.5  # the budget cut many drafts and kept others
+    p = two_sample_pvalue(joint_counts(base), joint_counts(spec))
+    assert (p > 0.001) if lossless else (p < 1e-6), p

@@ -1,9 +1,13 @@
 """DSparkProposer: serves a DSpark drafter behind the proposer interface (`propose`, `free`,
 `prefill`), plus `ingest`, which takes the target's exported context rows.
 
-Per sequence it keeps each drafter layer's context keys/values (computed once per committed token,
-at ingest). A proposal is one backbone forward over a block per sequence (batched, context padded),
-then k cheap Markov steps left to right, each giving the draft law q_i, the token and a confidence.
+Per sequence it keeps each drafter layer's context keys/values, computed once per committed token.
+Ingest only stores the rows; their keys/values are computed when a proposal first needs them, in one
+batched forward over every sequence it drafts for (so steps that draft nothing, at high load under
+the confidence schedule, cost the drafter no compute, and a sequence that ends without drafting
+never costs any). A proposal is one backbone forward over a block per sequence (batched, context
+padded), then k cheap Markov steps left to right, each giving the draft law q_i, the token and a
+confidence.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ RECENTLY_FREED = 65536
 class _Context:
     k: list = field(default_factory=list)  # per layer [capacity, heads, head_dim]
     v: list = field(default_factory=list)
-    length: int = 0  # positions 0 .. length-1 are in k / v
+    kv_length: int = 0  # positions 0 .. kv_length-1 are in k / v
+    raw: list = field(default_factory=list)  # (start, rows) received, keys/values not computed yet
+    length: int = 0  # positions 0 .. length-1 are in k / v or raw
     pending: dict = field(default_factory=dict)  # start -> rows, past a gap
     lost: bool = False  # rows went missing (e.g. the drafter restarted mid-sequence): no drafts
 
@@ -113,22 +119,39 @@ class DSparkProposer:
             self.ingested_rows += hidden.shape[0]
 
     def _append(self, st: _Context, start: int, hidden) -> None:
-        """Write rows at positions start.. (truncating anything after: a recompute rewrites history)."""
-        n = hidden.shape[0]
-        fused = self.model.fuse(hidden.to(self.device, torch.float32))
-        pos = torch.arange(start, start + n, device=self.device)
-        end = start + n
+        """Take rows at positions start.. (dropping anything after: a recompute rewrites history)."""
+        if start < st.length:
+            st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
+            st.kv_length = min(st.kv_length, start)
+        # a view of the step's rows (no copy per sequence per step): it keeps that step's tensor alive
+        # until every sequence in it has drafted or ended, at most the rows the live sequences own
+        st.raw.append((start, hidden))
+        st.length = start + hidden.shape[0]
+
+    def _materialize(self, seq_ids) -> None:
+        """Compute the keys/values of these sequences' stored rows, in one batched forward."""
+        chunks = [(st, s0, h) for st in (self.ctx[sid] for sid in seq_ids) for s0, h in st.raw if h.shape[0]]
+        if not chunks:
+            return
+        hidden = torch.cat([h for _, _, h in chunks]).to(self.device, torch.float32)
+        pos = torch.cat([torch.arange(s0, s0 + h.shape[0]) for _, s0, h in chunks]).to(self.device)
+        fused = self.model.fuse(hidden)
         for li, layer in enumerate(self.model.layers):
             k, v = layer.context_kv(fused, pos)
-            if li >= len(st.k):
-                st.k.append(k.new_empty((max(64, 2 * end),) + k.shape[1:]))
-                st.v.append(v.new_empty((max(64, 2 * end),) + v.shape[1:]))
-            if st.k[li].shape[0] < end:
-                grow = lambda t: torch.cat([t, t.new_empty((max(end, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
-                st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
-            st.k[li][start:end] = k
-            st.v[li][start:end] = v
-        st.length = end
+            off = 0
+            for st, s0, h in chunks:
+                n, end = h.shape[0], s0 + h.shape[0]
+                if li >= len(st.k):
+                    st.k.append(k.new_empty((max(64, 2 * end),) + k.shape[1:]))
+                    st.v.append(v.new_empty((max(64, 2 * end),) + v.shape[1:]))
+                if st.k[li].shape[0] < end:
+                    grow = lambda t: torch.cat([t, t.new_empty((max(end, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
+                    st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
+                st.k[li][s0:end] = k[off : off + n]
+                st.v[li][s0:end] = v[off : off + n]
+                off += n
+        for st in {id(c[0]): c[0] for c in chunks}.values():
+            st.kv_length, st.raw = st.length, []
 
     def ready(self, r) -> bool:
         """Whether the context for this request's block is in (every token but the anchor)."""
@@ -155,6 +178,7 @@ class DSparkProposer:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
         ctx = sum(t.numel() * t.element_size() for st in self.ctx.values() for t in st.k + st.v)
+        ctx += sum(h.numel() * h.element_size() for st in self.ctx.values() for _, h in st.raw)
         return {"param_bytes": params, "shared_table_bytes": tables, "context_kv_bytes": ctx, "bytes_read": params}
 
     def block_forward(self, requests):
@@ -162,6 +186,7 @@ class DSparkProposer:
         rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
         fewer mask slots would change what the trained slots see."""
         m, dev, S = self.model, self.device, self.c.block_size
+        self._materialize([r.seq_id for r in requests])
         B = len(requests)
         lens = [len(r.token_ids) - 1 for r in requests]  # context length = the anchor's position
         C = max(lens)
@@ -231,7 +256,8 @@ class DSparkProposer:
             laws = torch.stack(laws, 1)
         tokens = torch.stack(tokens, 1)
         conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
-        confs = torch.sigmoid(conf) if conf is not None else laws.gather(2, tokens[..., None]).squeeze(-1)
+        # without a confidence head: the draft law's top probability (never the drafted token's own)
+        confs = torch.sigmoid(conf) if conf is not None else laws.max(-1).values
         tokens, laws, confs = tokens.cpu(), laws.cpu(), confs.float().cpu()
         for b, (i, r) in enumerate(active):
             out[i] = Proposal(tokens[b, : r.k].tolist(), laws[b, : r.k], confs[b, : r.k])

@@ -205,10 +205,12 @@ class DraftModelProposer:
             active = still
         for sid in drafts:
             # the other TP ranks have the same tokens but not their law: only rank 0's proposals count
-            if self.decides:  # the draft law's probability of each drafted token is its confidence
+            if self.decides:
                 law = torch.stack(probs[sid]).cpu()
-                conf = law.gather(1, torch.tensor(drafts[sid])[:, None]).squeeze(1)
-                out[sid] = Proposal(drafts[sid], law, conf)
+                # confidence: the draft law's top probability at each position. Not the probability of
+                # the drafted token itself: a verify budget that reads a token's own confidence would
+                # decide from that token whether to verify it, which biases the output law.
+                out[sid] = Proposal(drafts[sid], law, law.max(-1).values)
             else:
                 out[sid] = Proposal(drafts[sid], None)
         return [out[r.seq_id] for r in requests]

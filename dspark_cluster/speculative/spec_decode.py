@@ -25,7 +25,8 @@ class Proposal:
     tokens: list[int]
     probs: Optional[torch.Tensor] = None  # [len(tokens), vocab]
     # the drafter's confidence that each token is accepted given the one before it was (DSpark's
-    # confidence head; otherwise the draft law's probability of the token), raw, before calibration
+    # confidence head; otherwise the draft law's top probability at the position), raw, before calibration;
+    # it may read the tokens before its own, never its own token (see verify_budget.py)
     confidences: Optional[torch.Tensor] = None  # [len(tokens)]
 
 

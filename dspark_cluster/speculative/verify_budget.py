@@ -1,0 +1,268 @@
+"""Confidence-scheduled verification: how many draft tokens to verify in a step, given the load.
+
+Each (sequence r, draft position j) slot has a calibrated survival probability a_{r,j} (STS, see
+`confidence.py`). A step that verifies B tokens in all takes T(B) seconds (`StepCost`: profiled at
+start-up, corrected by live step times) after a drafting call of D seconds, and yields the sampling
+rows' one token each plus, in expectation, the sum of the admitted slots' a. The budget admits slots
+greedily in decreasing a, and stops at the first slot that does not raise the expected tokens per
+second Theta = E[tokens] / (T(B) + D). B = the sampling rows alone is no speculation.
+
+Lossless by construction: whether slot (r, j) is verified depends only on slots ranked above it, that
+is on a_{r,i<=j} (known before its token is verified: a DSpark confidence reads x_{j-1}, not x_j) and
+on other sequences, never on a slot below it. Maximising Theta over *all* cut points instead would
+let a_{r,j+1}, which reads the token x_j, decide whether x_j is verified, and that biases the output
+law (a token whose own confidence decides its verification is accepted more often than p allows;
+`tests/test_verify_budget.py` shows it).
+
+Before drafting, `VerifyPlanner.draft_len` picks how many positions to draft at all (0..K) from the
+recent mean survival curve and the drafter's measured cost: at high load it drafts nothing, so the
+step is plain decoding (and async scheduling may overlap it again). That choice uses only history
+and the load, so it too leaves the output law alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import numpy as np
+
+from .confidence import apply_temperatures, ece_by_position, fit_sts, survival
+
+
+def choose_verify_lengths(a: np.ndarray, base_tokens: int, base_expected: float,
+                          step_time: Callable[[np.ndarray], np.ndarray], draft_s: float = 0.0) -> np.ndarray:
+    """Greedy prefix admission.
+
+    a [N, K]: survival probability of each draft slot (non-increasing along each row; NaN where
+    nothing was drafted). base_tokens: the step's tokens without drafts (prefill chunks and one per
+    decode row); base_expected: the tokens it yields without drafts (its sampling rows).
+    step_time(B [M]) -> seconds [M]. draft_s: the drafting call's time (already spent or planned).
+    Returns lengths [N] (long): draft positions to verify per row, a prefix of each row."""
+    N, K = a.shape
+    flat = np.nan_to_num(a, nan=-1.0).reshape(-1)
+    pos = np.tile(np.arange(K), N)
+    order = np.lexsort((pos, -flat))  # decreasing a, earlier position first among ties
+    order = order[flat[order] > 0]
+    gains = flat[order]
+    theta = (base_expected + np.concatenate([[0.0], np.cumsum(gains)])) / (
+        step_time(base_tokens + np.arange(len(order) + 1)) + draft_s)
+    falls = np.nonzero(theta[1:] <= theta[:-1])[0]
+    m = int(falls[0]) if falls.size else len(order)  # stop at the first slot that does not pay
+    return np.bincount(order[:m] // K, minlength=N).astype(np.int64)
+
+
+class StepCost:
+    """T(B): seconds for a step that runs B tokens. A profile over a grid of B (measured at start-up)
+    times a correction per grid point, an exponential average of live time / profiled time near it."""
+
+    def __init__(self, tokens: list[int], seconds: list[float], alpha: float = 0.05):
+        order = np.argsort(tokens)
+        self.x = np.asarray(tokens, dtype=np.float64)[order]
+        # a step never gets cheaper with more tokens: the lower envelope from the right (timing noise
+        # only ever adds time)
+        self.y = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[order][::-1])[::-1]
+        self.correction = np.ones_like(self.x)
+        self.alpha = alpha
+        self._xs = self.x.tolist()
+
+    def _profile(self, B):
+        B = np.asarray(B, dtype=np.float64)
+        y = np.interp(B, self.x, self.y)
+        if len(self.x) > 1:  # beyond the grid: the last segment's slope
+            slope = (self.y[-1] - self.y[-2]) / max(self.x[-1] - self.x[-2], 1.0)
+            y = np.where(B > self.x[-1], self.y[-1] + slope * (B - self.x[-1]), y)
+        return y
+
+    def __call__(self, B) -> np.ndarray:
+        return self._profile(B) * np.interp(np.asarray(B, dtype=np.float64), self.x, self.correction)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        # scalar code: this runs every step
+        i = bisect.bisect_left(self._xs, num_tokens)
+        if i == len(self._xs) or (i > 0 and math.log(num_tokens / self._xs[i - 1]) < math.log(self._xs[i] / num_tokens)):
+            i -= 1  # the nearest grid point in log scale
+        ratio = seconds / max(float(self._profile(num_tokens)), 1e-9)
+        self.correction[i] += self.alpha * (min(ratio, 10.0) - self.correction[i])
+
+    def table(self) -> dict:
+        return {"tokens": self.x.astype(int).tolist(), "profiled_s": self.y.tolist(),
+                "live_s": (self.y * self.correction).tolist()}
+
+
+def draft_forwards(method: str, k: int) -> int:
+    """Drafter forwards per proposal of k tokens: DSpark runs its backbone once for the block (the
+    Markov head's k steps are cheap), a draft model runs k forwards, n-gram lookup none worth a model."""
+    return k if method == "draft_model" else (1 if k > 0 else 0)
+
+
+class DraftCost:
+    """Seconds per drafter forward against the number of rows drafted: the median of the latest
+    `window` calls per power of 2 of rows (a slow call, e.g. a DSpark drafter computing a backlog of
+    context rows after a pause, does not move it); outside the counts measured, proportional to the
+    rows."""
+
+    def __init__(self, window: int = 9):
+        self.samples: dict[int, deque] = {}
+        self.per_forward: dict[int, float] = {}
+        self.window = window
+
+    def observe(self, num_rows: int, forwards: int, seconds: float) -> None:
+        if num_rows <= 0 or forwards <= 0:
+            return
+        b = int(round(math.log2(num_rows)))
+        q = self.samples.setdefault(b, deque(maxlen=self.window))
+        q.append(seconds / forwards)
+        self.per_forward[b] = float(np.median(q))
+
+    def __call__(self, num_rows: int, forwards: int) -> float:
+        if not self.per_forward or forwards <= 0 or num_rows <= 0:
+            return 0.0  # not measured yet: drafting is tried, then measured
+        xs = sorted(self.per_forward)
+        x = math.log2(num_rows)
+        per = float(np.interp(x, xs, [self.per_forward[b] for b in xs]))
+        if x > xs[-1] or x < xs[0]:  # outside what was measured: in proportion to the rows (below, that is
+            per *= num_rows / 2 ** (xs[-1] if x > xs[-1] else xs[0])  # optimistic: drafting is tried, then measured)
+        return forwards * per
+
+
+class VerifyPlanner:
+    """The scheduler's state for `speculative.schedule: confidence`: a rolling window of verify
+    outcomes, the STS temperatures fitted on it (refitted every `refit_every` rounds), the step and
+    drafter cost models, and the choices per step."""
+
+    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 100,
+                 min_rounds: int = 50, explore_every: int = 64, explore_rows: int = 4):
+        self.k, self.step_cost, self.method = k, step_cost, method
+        self.draft_cost = DraftCost()
+        self.window = deque(maxlen=window)  # (raw confidences [K] NaN-padded, verified, accepted)
+        self.live = deque(maxlen=20 * window)  # (raw a [K], calibrated a [K] as predicted then, verified, accepted)
+        self.temps = np.ones(k)
+        self.fitted = False
+        self.refit_every, self.min_rounds, self.explore_every = refit_every, min_rounds, explore_every
+        # a step that drafts only to keep the estimates fresh drafts for this many rows
+        self.explore_rows = explore_rows
+        self.exploring = False
+        self.explore_share = 0.01  # exploring costs at most this share of the time spent not drafting
+        self._explore_s = 0.0  # what the last exploring step cost
+        self._last_draft_t = 0.0
+        self._memo: dict[int, tuple[int, int]] = {}  # rows -> (draft length, uses left)
+        self.memo_steps = 8
+        self.mean_survival: Optional[np.ndarray] = None  # [K] calibrated, over the window
+        self._since_fit = 0
+        self._since_draft = 0
+        self.num_refits = 0
+        # per-step record for the report and metrics (appended by the engine)
+        self.last = {"draft_len": 0, "verify_budget": 0, "num_drafted": 0, "num_verified": 0}
+
+    # ---- confidences ----------------------------------------------------------------------
+    def raw_confidences(self, confidences, n: int) -> np.ndarray:
+        """A proposal's confidences as [K] (NaN past its n tokens); a drafter without any (n-gram)
+        gets the window's acceptance rate of each position given the one before survived."""
+        out = np.full(self.k, np.nan)
+        if confidences is not None:
+            out[:n] = np.asarray(confidences, dtype=np.float64)[:n]
+        else:
+            out[:n] = self._position_rates()[:n]
+        return np.clip(out, 1e-4, 1 - 1e-4)
+
+    def _position_rates(self) -> np.ndarray:
+        if not self.window:
+            return np.full(self.k, 0.5)
+        _, ver, acc = self._arrays()
+        j = np.arange(self.k)[None, :]
+        tried = ((j < ver[:, None]) & (j <= acc[:, None])).sum(0)  # verified, and all before it accepted
+        kept = (j < acc[:, None]).sum(0)
+        return (kept + 1.0) / (tried + 2.0)
+
+    def _arrays(self):
+        conf = np.array([w[0] for w in self.window])
+        ver = np.array([w[1] for w in self.window])
+        acc = np.array([w[2] for w in self.window])
+        return conf, ver, acc
+
+    def calibrated_survival(self, raw: np.ndarray) -> np.ndarray:
+        """raw confidences [..., K] -> calibrated survival [..., K]."""
+        return survival(apply_temperatures(raw, self.temps))
+
+    # ---- choices ---------------------------------------------------------------------------
+    def draft_len(self, num_rows: int) -> int:
+        """How many positions to draft this step for num_rows speculative decode rows (0: none)."""
+        self.exploring = False
+        if num_rows <= 0:
+            return 0
+        if self.mean_survival is None:
+            return self.k  # too little history: draft, to learn
+        if (self._since_draft >= self.explore_every
+                and time.monotonic() - self._last_draft_t >= self._explore_s / self.explore_share):
+            self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
+            return self.k
+        memo = self._memo.get(num_rows)
+        if memo is not None and memo[1] > 0:  # the same load decided lately: reuse (this runs every step)
+            self._memo[num_rows] = (memo[0], memo[1] - 1)
+            self._since_draft += memo[0] == 0
+            return memo[0]
+        a = np.concatenate([[0.0], np.cumsum(self.mean_survival)])  # expected accepted per row with k drafts
+        ks = np.arange(self.k + 1)
+        cost = self.step_cost(num_rows * (1 + ks)) + np.array(
+            [self.draft_cost(num_rows, draft_forwards(self.method, int(k))) for k in ks])
+        theta = num_rows * (1 + a) / cost
+        k = int(np.argmax(theta))
+        self._since_draft += k == 0
+        self._memo[num_rows] = (k, self.memo_steps)
+        return k
+
+    def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float) -> np.ndarray:
+        """raw [N, K] confidences of this step's drafts -> draft positions to verify per row [N]."""
+        a = self.calibrated_survival(raw)
+        return choose_verify_lengths(a, base_tokens, base_expected, self.step_cost, draft_s)
+
+    # ---- observations ----------------------------------------------------------------------
+    def drafted(self, num_rows: int, k: int, seconds: float) -> None:
+        if self.exploring:  # its cost, against the time until the next one
+            self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
+        self._since_draft = 0
+        self._last_draft_t = time.monotonic()
+        self.draft_cost.observe(num_rows, draft_forwards(self.method, k), seconds)
+
+    def observe(self, raw: np.ndarray, verified: int, accepted: int) -> None:
+        """One row's verify outcome: its raw confidences [K] (all drafted positions), the positions
+        verified and how many of them were accepted."""
+        if self.fitted and verified:
+            a_raw = survival(raw)
+            self.live.append((a_raw, self.calibrated_survival(raw), verified, accepted))
+        self.window.append((raw, verified, accepted))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self.window) >= self.min_rounds:
+            self.refit()
+
+    def refit(self) -> None:
+        conf, ver, acc = self._arrays()
+        self.temps = fit_sts(conf, ver, acc)
+        self.fitted = True
+        a = self.calibrated_survival(conf)
+        drafted = ~np.isnan(a)  # the mean where drafted: shorter drafts (room, load) say nothing of later positions
+        self.mean_survival = np.where(drafted.any(0), np.nan_to_num(a, nan=0.0).sum(0) / np.maximum(drafted.sum(0), 1), 0.0)
+        self._since_fit = 0
+        self.num_refits += 1
+        self._memo.clear()
+
+    def summary(self) -> dict:
+        out = {"temperatures": self.temps.round(3).tolist(), "refits": self.num_refits,
+               "window_rounds": len(self.window), "live_rounds": len(self.live),
+               "mean_survival": None if self.mean_survival is None else self.mean_survival.round(4).tolist(),
+               "step_cost": self.step_cost.table()}
+        if self.live:  # each round scored with the temperatures in force when it was verified
+            a_raw = np.array([x[0] for x in self.live])
+            a_cal = np.array([x[1] for x in self.live])
+            ver = np.array([x[2] for x in self.live])
+            acc = np.array([x[3] for x in self.live])
+            out["ece_before_by_position"] = [round(e, 4) for e in ece_by_position(a_raw, ver, acc)]
+            out["ece_after_by_position"] = [round(e, 4) for e in ece_by_position(a_cal, ver, acc)]
+            # what a perfectly calibrated predictor would show on this many rounds (sampling noise)
+            out["ece_floor_by_position"] = [round(e, 4) for e in ece_by_position(a_cal, ver, acc, floor=True)]
+            out["rounds_by_position"] = [int((ver > j).sum()) for j in range(self.k)]
+        return out

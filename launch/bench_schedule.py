@@ -1,0 +1,177 @@
+"""Confidence-scheduled verification against plain decoding and fixed k, across loads (issue 14).
+
+    python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
+        [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--out FILE]
+        [--plot-dir DIR] [--calib-requests 512]
+
+For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
+policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
+`schedule: confidence` with num_tokens = --k as the largest k. Then, in one run, interleaved:
+
+1. all-at-once loads: B held-out prompts submitted together (max_num_seqs 64), greedy, --max-tokens
+   each; output tokens/s, best of --repeats; ratios against plain decoding measured in the same round.
+2. Poisson arrivals at --poisson x saturation, where saturation is plain decoding's request rate at
+   batch 64 (the all-at-once figure); output tokens/s over the run and TPOT p50.
+3. The confidence engines' calibration on their live outcomes: a fresh window, then --calib-requests
+   held-out prompts one at a time; STS temperatures and ECE by position before (raw confidences) and
+   after (each round scored with the temperatures in force when it ran, fitted on earlier rounds).
+
+One process, executor local, --threads torch threads per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dspark_cluster import LLM, SamplingParams  # noqa: E402
+from dspark_cluster.config import ASSETS_DIR, WorkloadConfig, load_config  # noqa: E402
+from dspark_cluster.report import summarize  # noqa: E402
+from dspark_cluster.workload import DEFAULT_PROMPTS, make_workload, read_prompts  # noqa: E402
+
+DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark"}
+
+
+def config(args, method=None, k=0, schedule="static") -> dict:
+    cfg = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32"},
+           "parallel": {"executor": "local", "threads_per_worker": args.threads},
+           "scheduler": {"max_num_seqs": 64}}
+    if method is not None:
+        cfg["speculative"] = {"method": method, "draft_model": str(ASSETS_DIR / DRAFTERS[method]), "num_tokens": k,
+                              "schedule": schedule}
+    return cfg
+
+
+def timed(llm, prompts, params) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def poisson(cfg: dict, rate: float, n: int, max_tokens: int, warm_prompts) -> dict:
+    """One engine, warmed up, then n requests at `rate` per second; output tok/s and TPOT p50."""
+    from dspark_cluster.async_engine import AsyncEngine
+
+    c = load_config(cfg)
+    wl = WorkloadConfig(kind="prompts", num_requests=n, request_rate=rate, output_len=[max_tokens, max_tokens])
+    requests = make_workload(wl, 0)
+    engine = AsyncEngine(c)
+
+    async def main():
+        await engine.generate(warm_prompts, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)]
+                              * len(warm_prompts))
+        return await engine.run_workload(requests)
+
+    try:
+        raw = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    s = summarize(raw["requests"], raw["steps"], raw["duration_s"], raw["kv_blocks_total"], raw["preemptions"])
+    return {"tok_s": s["output_tokens_per_s"], "tpot_p50_ms": 1e3 * s["tpot_p50_s"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafters", default="draft_model,dspark")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--static", default="2,4,6")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--poisson", default="0.5,1.25")
+    ap.add_argument("--poisson-requests", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
+    ap.add_argument("--out", default=None, help="results as JSON")
+    ap.add_argument("--plot-dir", default=None, help="write verify_budget_<drafter>.png here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    drafters = [d for d in args.drafters.split(",") if d]
+    batches = [int(b) for b in args.batches.split(",")]
+    statics = [int(k) for k in args.static.split(",") if k]
+    held_out = read_prompts(DEFAULT_PROMPTS)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    print(f"target tiny-moe, drafters {drafters}, static k {statics}, confidence up to k={args.k}, "
+          f"{args.max_tokens} tokens per request, threads {args.threads}", flush=True)
+
+    policies = {"plain": LLM(config=config(args))}
+    for d in drafters:
+        for k in statics:
+            policies[f"{d} k={k}"] = LLM(config=config(args, d, k))
+        policies[f"{d} confidence"] = LLM(config=config(args, d, args.k, "confidence"))
+    for name, llm in policies.items():  # warm-up (and history for the confidence planners)
+        timed(llm, held_out[:8], params)
+
+    for name, llm in policies.items():
+        llm.engine.step_record = []  # every step of the loads below, for the verify-budget plot
+    results = {"all_at_once": {}, "poisson": {}, "calibration": {}}
+    for b in batches:
+        prompts = [held_out[i % len(held_out)] for i in range(b)]
+        best = {name: 0.0 for name in policies}
+        for _ in range(args.repeats):
+            for name, llm in policies.items():
+                best[name] = max(best[name], timed(llm, prompts, params))
+        results["all_at_once"][b] = best
+        line = " ".join(f"{n}: {v / best['plain']:.2f}x" for n, v in best.items() if n != "plain")
+        print(f"batch {b:3d}: plain {best['plain']:.0f} tok/s | {line}", flush=True)
+
+    sat = results["all_at_once"][max(batches)]["plain"] / args.max_tokens  # requests/s
+    for f in [float(x) for x in args.poisson.split(",") if x]:
+        rate = f * sat
+        row = {}
+        for name in policies:
+            method = None if name == "plain" else name.split()[0]
+            k = 0 if name == "plain" else (args.k if name.endswith("confidence") else int(name.split("k=")[1]))
+            schedule = "confidence" if name.endswith("confidence") else "static"
+            row[name] = poisson(config(args, method, k, schedule), rate, args.poisson_requests, args.max_tokens,
+                                held_out[:8])
+        results["poisson"][f] = {"rate_req_s": rate, **row}
+        line = " ".join(f"{n}: {v['tok_s'] / row['plain']['tok_s']:.2f}x" for n, v in row.items() if n != "plain")
+        print(f"poisson {f}x saturation ({rate:.1f} req/s): plain {row['plain']['tok_s']:.0f} tok/s, "
+              f"TPOT p50 {row['plain']['tpot_p50_ms']:.1f} ms | {line}", flush=True)
+
+    for d in drafters:  # calibration on live outcomes: a fresh window, one request at a time (it drafts there)
+        llm = policies[f"{d} confidence"]
+        p = llm.engine.planner
+        p.window.clear(), p.live.clear()
+        p.temps[:], p.fitted, p.num_refits, p._since_fit = 1.0, False, 0, 0
+        for i in range(args.calib_requests):
+            llm.generate([held_out[i % len(held_out)]], params)
+        spec = llm.engine.speculative_summary()
+        cal = spec["calibration"]
+        results["calibration"][d] = {"verified_share": spec["verified_share"], **cal}
+        print(f"{d} confidence: verified share {spec['verified_share']:.2f}, temperatures {cal['temperatures']}, "
+              f"ECE raw {cal.get('ece_before_by_position')} -> STS {cal.get('ece_after_by_position')}, "
+              f"noise floor {cal.get('ece_floor_by_position')} ({cal['live_rounds']} live rounds, by position "
+              f"{cal.get('rounds_by_position')})", flush=True)
+    if args.plot_dir:  # the verify budget each confidence engine chose, against batch size
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from dspark_cluster.report import _plot_verify_budget
+
+        os.makedirs(args.plot_dir, exist_ok=True)
+        for d in drafters:
+            fig = _plot_verify_budget(plt, [], policies[f"{d} confidence"].engine.step_record, None)
+            fig.axes[0].set_title(f"Verify budget against batch size: {d}, confidence schedule, k <= {args.k}")
+            fig.savefig(os.path.join(args.plot_dir, f"verify_budget_{d}.png"), dpi=100)
+            plt.close(fig)
+    for llm in policies.values():
+        llm.shutdown()
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

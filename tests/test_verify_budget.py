@@ -1,0 +1,171 @@
+"""The confidence schedule: the verify budget search, STS calibration and the cost models (pure
+functions), and the engine with `speculative.schedule: confidence`."""
+
+import numpy as np
+import pytest
+
+from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.report import format_summary, write_report
+from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts
+from dspark_cluster.speculative.confidence import apply_temperatures, ece, ece_by_position, fit_sts, survival
+from dspark_cluster.speculative.verify_budget import (DraftCost, StepCost, VerifyPlanner, choose_verify_lengths,
+                                                      draft_forwards)
+
+A = [[0.9, 0.8, 0.3], [0.6, 0.2, 0.1]]
+
+
+def steep_after(knee, slope):
+    return lambda B: 1.0 + slope * np.maximum(np.asarray(B, dtype=float) - knee, 0)
+
+
+@pytest.mark.parametrize("cost, lengths", [
+    (steep_after(4, 1.0), [2, 0]),  # 2 rows free up to 4 tokens: 0.9, 0.8 fit; 0.6 would halve Theta
+    (steep_after(100, 1.0), [3, 3]),  # a flat cost admits every slot that may survive
+    (steep_after(2, 10.0), [0, 0]),  # every draft costs more than it can give: B = the rows alone
+    (steep_after(3, 0.5), [1, 0]),  # 0.9 free; 0.8 pays less than the 50% it adds: 3.7 / 1.5 < 2.9
+])
+def test_budget_search_known_answers(cost, lengths):
+    got = choose_verify_lengths(np.array(A), base_tokens=2, base_expected=2.0, step_time=cost)
+    assert got.tolist() == lengths
+
+
+def test_budget_skips_undrafted_positions_and_counts_draft_time():
+    a = np.array([[0.9, np.nan, np.nan], [0.5, 0.4, 0.3]])
+    assert choose_verify_lengths(a, 2, 2.0, steep_after(100, 1.0)).tolist() == [1, 3]
+    # a long drafting call makes the step's fixed cost large: each slot then pays relative to it
+    flat_then_linear = lambda B: 0.1 * np.asarray(B, dtype=float)  # noqa: E731
+    assert choose_verify_lengths(np.array([[0.5]]), 1, 1.0, flat_then_linear, draft_s=0.0).tolist() == [0]
+    assert choose_verify_lengths(np.array([[0.5]]), 1, 1.0, flat_then_linear, draft_s=1.0).tolist() == [1]
+
+
+def test_a_slot_is_verified_whatever_the_slots_after_it_say():
+    """Losslessness: whether slot (r, j) is verified may depend on a_{r, <=j} and other rows, never
+    on a_{r, j+1..} (which read the token x_j). Changing a row's later confidences leaves the
+    admission of its earlier slots alone."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        N, K = rng.integers(1, 6), rng.integers(1, 6)
+        c = rng.uniform(0.05, 0.99, size=(N, K))
+        cost = steep_after(int(rng.integers(N, N * (K + 1) + 1)), float(rng.uniform(0.01, 0.5)))
+        base = choose_verify_lengths(survival(c), N, float(N), cost)
+        r, j = rng.integers(N), rng.integers(K)
+        c2 = c.copy()
+        c2[r, j + 1:] = rng.uniform(0.05, 0.99, size=K - j - 1)
+        other = choose_verify_lengths(survival(c2), N, float(N), cost)
+        assert min(other[r], j + 1) == min(base[r], j + 1), (trial, c, c2, base, other)
+
+
+def synthetic_rounds(rng, R, temps_true):
+    """Raw confidences and the verify outcomes they would have if the true conditional survival
+    were sigmoid(logit(c) / T_true) at each position."""
+    K = len(temps_true)
+    raw = rng.uniform(0.05, 0.95, size=(R, K))
+    p = apply_temperatures(raw, np.array(temps_true))
+    alive = np.cumprod(rng.uniform(size=(R, K)) < p, axis=1)
+    return raw, np.full(R, K), alive.sum(1)
+
+
+def test_sts_recovers_known_temperatures_and_calibrates():
+    rng = np.random.default_rng(1)
+    true = [2.0, 0.5, 1.0, 3.0]
+    raw, ver, acc = synthetic_rounds(rng, 20000, true)
+    temps = fit_sts(raw, ver, acc)
+    # late positions' survival products are small, so ECE barely tells temperatures apart there:
+    # what must hold is calibration, and the early temperatures where the data decides them
+    np.testing.assert_allclose(temps[:3], true[:3], rtol=0.25)
+    fresh = synthetic_rounds(rng, 20000, true)  # scored on rounds it was not fitted on
+    before = ece_by_position(survival(fresh[0]), fresh[1], fresh[2])
+    after = ece_by_position(survival(apply_temperatures(fresh[0], temps)), fresh[1], fresh[2])
+    assert max(after) <= 0.02, after
+    assert before[0] > 0.05, before  # miscalibrated raw (later products partly cancel: T 2 then 0.5)
+    floor = ece_by_position(survival(apply_temperatures(fresh[0], temps)), fresh[1], fresh[2], floor=True)
+    assert max(floor) < 0.01 and all(a < f + 0.015 for a, f in zip(after, floor))  # at the noise floor
+
+
+def test_sts_leaves_a_position_without_data_alone_and_ece_is_zero_when_calibrated():
+    rng = np.random.default_rng(2)
+    raw, ver, acc = synthetic_rounds(rng, 3000, [1.0, 1.0])
+    ver[:] = 1  # position 2 never verified
+    temps = fit_sts(raw, ver, np.minimum(acc, 1))
+    assert temps[1] == 1.0
+    assert ece(np.array([0.25, 0.25, 0.25, 0.25]), np.array([1.0, 0.0, 0.0, 0.0])) == 0.0
+
+
+def test_step_cost_profile_and_live_correction():
+    cost = StepCost([1, 8, 64], [0.010, 0.012, 0.040])
+    np.testing.assert_allclose(cost([1, 8, 36, 64, 120]), [0.010, 0.012, 0.026, 0.040, 0.040 + 56 * 0.028 / 56])
+    assert StepCost([1, 2, 4], [0.01, 0.05, 0.02])(2) == pytest.approx(0.02)  # noise never makes more cheaper
+    for _ in range(200):
+        cost.observe(8, 0.024)  # live steps of 8 tokens take twice the profile
+    assert cost(8) == pytest.approx(0.024, rel=0.01)
+    assert cost(1) == pytest.approx(0.010)
+
+
+def test_draft_cost_scales_with_forwards():
+    d = DraftCost()
+    assert d(4, 1) == 0.0  # unmeasured: drafting is tried
+    d.observe(4, draft_forwards("draft_model", 4), 0.020)
+    assert d(4, draft_forwards("draft_model", 2)) == pytest.approx(0.010)
+    assert d(1, 1) == pytest.approx(0.005 / 4) and d(16, 1) == pytest.approx(0.020)  # outside: by rows
+    assert draft_forwards("dspark", 6) == 1 and draft_forwards("dspark", 0) == 0
+
+
+def test_planner_drafts_at_low_load_and_not_at_high_load():
+    cost = StepCost([1, 16, 64, 256, 1024], [0.01, 0.01, 0.02, 0.08, 0.32])  # linear past 16 tokens
+    p = VerifyPlanner(4, cost, "dspark", refit_every=50, min_rounds=50)
+    assert p.draft_len(1) == 4  # no history yet: draft, to learn
+    rng = np.random.default_rng(3)
+    raw, ver, acc = synthetic_rounds(rng, 200, [1.0] * 4)
+    for c, v, a in zip(raw, ver, acc):
+        p.observe(c, int(v), int(a))
+    p.drafted(1, 4, 0.002)
+    p.drafted(256, 4, 0.02)
+    assert p.fitted and p.mean_survival is not None
+    assert p.draft_len(1) == 4  # a free step: every position may pay
+    assert p.draft_len(256) == 0  # a full step: each draft costs its full share
+    assert {p.draft_len(256) for _ in range(p.explore_every - 1)} == {0}
+    assert p.draft_len(256) == 4  # now and then it drafts anyway, to keep its estimates fresh
+    summary = p.summary()
+    assert len(summary["temperatures"]) == 4 and len(summary["ece_after_by_position"]) == 4
+
+
+def test_planner_ngram_rates_come_from_outcomes():
+    p = VerifyPlanner(2, StepCost([1, 2], [0.01, 0.01]), "ngram")
+    for _ in range(40):
+        p.observe(p.raw_confidences(None, 2), 2, 2)
+        p.observe(p.raw_confidences(None, 2), 2, 0)
+    rates = p.raw_confidences(None, 2)
+    assert rates[0] == pytest.approx(41 / 82) and rates[1] == pytest.approx(41 / 42)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+ASSETS = "dspark_cluster/assets"
+
+
+@pytest.mark.parametrize("method, draft", [("dspark", "tiny-dspark"), ("draft_model", "tiny-draft"), ("ngram", None)])
+def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
+    bundled_prompts = read_prompts(DEFAULT_PROMPTS)[:4]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"}})
+    base = [o.token_ids for o in plain.generate(bundled_prompts, params)]
+    plain.shutdown()
+    cfg = {"parallel": {"executor": "local"},
+           "speculative": {"method": method, "draft_model": draft and f"{ASSETS}/{draft}", "num_tokens": 4,
+                           "schedule": "confidence"}}
+    with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
+        llm.engine.planner.refit_every = 20  # refit within this short run
+        llm.engine.planner.min_rounds = 20
+        outs = llm.generate(bundled_prompts, params)
+        assert [o.token_ids for o in outs] == base
+        planner = llm.engine.planner
+        assert len(planner.window) > 0 and (planner.num_refits >= 1 or method == "ngram")
+        steps = list(llm.engine.step_stats)
+        assert sum(s["num_drafted"] for s in steps) >= sum(s["num_verified"] for s in steps) > 0
+        spec = llm.engine.speculative_summary()
+        assert spec["schedule"] == "confidence" and spec["calibration"]["window_rounds"] > 0
+        assert 0 < spec["verified_share"] <= 1
+        paths = write_report({"summary": {"speculative": spec}, "steps": steps, "requests": []}, tmp_path)
+        assert tmp_path / "verify_budget.png" in paths
+        text = format_summary({"speculative": spec})
+        assert "schedule, drafts verified" in text and "confidence" in text
