@@ -142,7 +142,7 @@ def main():
         llm = policies[f"{d} confidence"]
         p = llm.engine.planner
         p.window.clear(), p.live.clear()
-        p.temps[:], p.fitted, p.num_refits, p._since_fit = 1.0, False, 0, 0
+        p.temps[:], p.fitted, p.num_refits, p._since_fit, p._report_t = 1.0, False, 0, 0, float("-inf")
         for i in range(args.calib_requests):
             llm.generate([held_out[i % len(held_out)]], params)
         spec = llm.engine.speculative_summary()

@@ -390,7 +390,7 @@ def test_confidence_schedule_is_lossless_with_wrong_confidences(reads, lossless,
     read only the tokens before their own (what a DSpark confidence head reads): the law is the
     target's. The same test catches the mistake of letting a token's own confidence decide whether
     it is verified (DSpark, Appendix A): that law differs."""
-    n = 3000
+    n = 6000  # the mistake's bias is a few percent of some tokens' mass: enough rounds to see it every time
     prompt = [1, 5, 2, 3, 1, 5, 2]
     params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)  # 2 drafts fit after the 1st token
     sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
@@ -401,7 +401,7 @@ def test_confidence_schedule_is_lossless_with_wrong_confidences(reads, lossless,
     llm = LLM(small_vocab["mild"], config=cfg)
     planner = llm.engine.planner
     planner.step_cost = _FixedCost([1, 512, 4096], [1 + 1 / 512, 2.0, 9.0])
-    planner.refit_every = 10**9  # keep the wrong confidences as they are (STS would soften them)
+    planner.refit_every = planner.min_rounds = 10**9  # keep the wrong confidences as they are (no STS fit)
     _set_confidences(llm, reads)
     spec = llm.generate([prompt] * n, params)
     steps = list(llm.engine.step_stats)

@@ -134,6 +134,7 @@ def test_planner_ngram_rates_come_from_outcomes():
     for _ in range(40):
         p.observe(p.raw_confidences(None, 2), 2, 2)
         p.observe(p.raw_confidences(None, 2), 2, 0)
+    p.refit()  # rates are refreshed with each fit
     rates = p.raw_confidences(None, 2)
     assert rates[0] == pytest.approx(41 / 82) and rates[1] == pytest.approx(41 / 42)
 

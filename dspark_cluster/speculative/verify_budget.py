@@ -134,7 +134,7 @@ class VerifyPlanner:
     outcomes, the STS temperatures fitted on it (refitted every `refit_every` rounds), the step and
     drafter cost models, and the choices per step."""
 
-    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 100,
+    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 500,
                  min_rounds: int = 50, explore_every: int = 64, explore_rows: int = 4):
         self.k, self.step_cost, self.method = k, step_cost, method
         self.draft_cost = DraftCost()
@@ -155,8 +155,9 @@ class VerifyPlanner:
         self._since_fit = 0
         self._since_draft = 0
         self.num_refits = 0
-        # per-step record for the report and metrics (appended by the engine)
-        self.last = {"draft_len": 0, "verify_budget": 0, "num_drafted": 0, "num_verified": 0}
+        self._rates = np.full(k, 0.5)  # acceptance rate by position given the one before (n-gram confidences)
+        self._report: dict = {}  # the calibration figures on live rounds, recomputed at most every 10 s
+        self._report_t = -math.inf
 
     # ---- confidences ----------------------------------------------------------------------
     def raw_confidences(self, confidences, n: int) -> np.ndarray:
@@ -166,13 +167,10 @@ class VerifyPlanner:
         if confidences is not None:
             out[:n] = np.asarray(confidences, dtype=np.float64)[:n]
         else:
-            out[:n] = self._position_rates()[:n]
+            out[:n] = self._rates[:n]
         return np.clip(out, 1e-4, 1 - 1e-4)
 
-    def _position_rates(self) -> np.ndarray:
-        if not self.window:
-            return np.full(self.k, 0.5)
-        _, ver, acc = self._arrays()
+    def _position_rates(self, ver: np.ndarray, acc: np.ndarray) -> np.ndarray:
         j = np.arange(self.k)[None, :]
         tried = ((j < ver[:, None]) & (j <= acc[:, None])).sum(0)  # verified, and all before it accepted
         kept = (j < acc[:, None]).sum(0)
@@ -236,11 +234,14 @@ class VerifyPlanner:
             self.live.append((a_raw, self.calibrated_survival(raw), verified, accepted))
         self.window.append((raw, verified, accepted))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len(self.window) >= self.min_rounds:
-            self.refit()
+        if (self._since_fit >= self.refit_every or not self.fitted) and len(self.window) >= self.min_rounds:
+            self.refit()  # the first fit as soon as there is enough, then every refit_every rounds
 
     def refit(self) -> None:
         conf, ver, acc = self._arrays()
+        self._rates = self._position_rates(ver, acc)
+        if self.method == "ngram":  # its confidences are those rates: as they were when each round ran
+            conf = np.where(np.isnan(conf), np.nan, self._rates[None, :])
         self.temps = fit_sts(conf, ver, acc)
         self.fitted = True
         a = self.calibrated_survival(conf)
@@ -255,14 +256,21 @@ class VerifyPlanner:
                "window_rounds": len(self.window), "live_rounds": len(self.live),
                "mean_survival": None if self.mean_survival is None else self.mean_survival.round(4).tolist(),
                "step_cost": self.step_cost.table()}
-        if self.live:  # each round scored with the temperatures in force when it was verified
-            a_raw = np.array([x[0] for x in self.live])
-            a_cal = np.array([x[1] for x in self.live])
-            ver = np.array([x[2] for x in self.live])
-            acc = np.array([x[3] for x in self.live])
-            out["ece_before_by_position"] = [round(e, 4) for e in ece_by_position(a_raw, ver, acc)]
-            out["ece_after_by_position"] = [round(e, 4) for e in ece_by_position(a_cal, ver, acc)]
-            # what a perfectly calibrated predictor would show on this many rounds (sampling noise)
-            out["ece_floor_by_position"] = [round(e, 4) for e in ece_by_position(a_cal, ver, acc, floor=True)]
-            out["rounds_by_position"] = [int((ver > j).sum()) for j in range(self.k)]
-        return out
+        if time.monotonic() - self._report_t > 10.0:  # /health and /metrics ask often: not every time
+            self._report, self._report_t = self.calibration_report(), time.monotonic()
+        return {**out, **self._report}
+
+    def calibration_report(self) -> dict:
+        """ECE by position of the live rounds, each scored with the temperatures in force when it
+        ran: raw (before), calibrated (after), and the sampling noise floor at this many rounds."""
+        live = list(self.live)  # a snapshot (the engine thread appends)
+        if not live:
+            return {}
+        a_raw = np.array([x[0] for x in live])
+        a_cal = np.array([x[1] for x in live])
+        ver = np.array([x[2] for x in live])
+        acc = np.array([x[3] for x in live])
+        return {"ece_before_by_position": [round(e, 4) for e in ece_by_position(a_raw, ver, acc)],
+                "ece_after_by_position": [round(e, 4) for e in ece_by_position(a_cal, ver, acc)],
+                "ece_floor_by_position": [round(e, 4) for e in ece_by_position(a_cal, ver, acc, floor=True)],
+                "rounds_by_position": [int((ver > j).sum()) for j in range(self.k)]}
