@@ -86,9 +86,10 @@ class SpeculativeConfig(_Section):
     draft_workers: int = Field(1, ge=1)
     # drafter actors per tensor-parallel group: the draft model is split over this many devices
     draft_tensor: int = Field(1, ge=1)
-    # confidence: verify per step only the draft slots whose calibrated survival pays for their cost at
-    # the current load (num_tokens is then the most drafted); static: always verify num_tokens
-    schedule: Literal["confidence", "static"] = "static"
+    # confidence (default, measured to win at every load but batch 1 in BENCHMARKS.md): verify per step only
+    # the draft slots whose calibrated survival pays for their cost at the current load (num_tokens is
+    # then the most drafted); static: always draft and verify num_tokens
+    schedule: Literal["confidence", "static"] = "confidence"
 
     @property
     def enabled(self) -> bool:

@@ -478,8 +478,11 @@ class LLMEngine:
                 for s in rows:
                     if s.proposal is not None:
                         self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1, s.proposal.confidences)
-                    if self.planner is not None and s.draft_confidences is not None and s.seq.seq_id in sampled:
-                        self.planner.observe(s.draft_confidences, s.num_draft, len(sampled[s.seq.seq_id]) - 1)
+                drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
+                if self.planner is not None and drafted:
+                    self.planner.observe(np.stack([s.draft_confidences for s in drafted]),
+                                         [s.num_draft for s in drafted],
+                                         [len(sampled[s.seq.seq_id]) - 1 for s in drafted])
             for seq, new in g.update(sc.scheduled, sampled):
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
         if self.drafter is not None:
@@ -558,7 +561,7 @@ class LLMEngine:
         rows = [s for s in sc.scheduled if s.proposal is not None]
         if not rows:
             return
-        raw = np.stack([self.planner.raw_confidences(s.proposal.confidences, s.num_draft) for s in rows])
+        raw = self.planner.raw_confidences([s.proposal for s in rows])
         lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
         for s, conf, n in zip(rows, raw, lengths.tolist()):
             s.draft_confidences = conf

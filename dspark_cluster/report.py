@@ -260,17 +260,23 @@ def _plot_step_time(plt, requests, steps, kv_total):
 
 
 def _plot_verify_budget(plt, requests, steps, kv_total):
-    """Tokens each step ran (the verify budget B) against its batch size, beside the two fixed
-    policies: no speculation (B = sequences) and every draft verified."""
+    """Tokens each decode step ran (the verify budget B: one per sequence plus the drafts verified)
+    against its batch size, beside what verifying every drafted position would have run, and the
+    line B = sequences (no speculation). Steps with prompt chunks are left out (their tokens are
+    the prompts')."""
     fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
     pts = [(s["num_seqs"], s["verify_budget"], s["num_tokens"] + s["num_drafted"]) for s in steps
-           if s.get("verify_budget") is not None and s.get("num_drafted") is not None]
+           if s.get("verify_budget") is not None and s.get("num_drafted") is not None
+           and s.get("num_tokens") == s.get("num_seqs")]
+    if not pts:
+        _no_data(ax, "no decode steps")
+        return fig
     n = np.array([p[0] for p in pts], dtype=float)
-    ax.scatter(n, [p[1] for p in pts], s=8, alpha=0.5, color="tab:blue", label="verify budget B (chosen)")
-    ax.scatter(n, [p[2] for p in pts], s=8, alpha=0.3, color="tab:orange", marker="x", label="every draft verified")
+    ax.scatter(n, [p[2] for p in pts], s=10, alpha=0.3, color="tab:orange", marker="x", label="every drafted position verified")
+    ax.scatter(n, [p[1] for p in pts], s=10, alpha=0.5, color="tab:blue", label="verify budget B (chosen)")
     top = max(n.max(), 1)
     ax.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="no speculation (B = sequences)")
-    ax.set_title("Verify budget against batch size")
+    ax.set_title("Verify budget against batch size (decode steps)")
     ax.set_xlabel("sequences in the step")
     ax.set_ylabel("tokens the step ran")
     ax.set_xlim(left=0)

@@ -41,7 +41,8 @@ def timed(llm, prompts, params):
 
 def spec_llm(args, method, draft, k):
     return LLM(args.target, config={"model": {"dtype": "float32"}, "parallel": {"threads_per_worker": args.threads},
-                                    "speculative": {"method": method, "draft_model": draft, "num_tokens": k}})
+                                    "speculative": {"method": method, "draft_model": draft, "num_tokens": k,
+                                                                    "schedule": "static"}})
 
 
 def main():

@@ -62,7 +62,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in (2, 4, 6):
         spec = LLM(args.target, config={**base_cfg, "speculative": {"method": "draft_model", "draft_model": args.draft,
-                                                                     "num_tokens": k}})
+                                                                     "num_tokens": k, "schedule": "static"}})
         for temp in (0.0, 1.0):
             for batch in (1, 16):
                 ps = (prompts * 16)[:batch]

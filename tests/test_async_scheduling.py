@@ -139,7 +139,7 @@ def test_speculation_switched_at_run_time_steps_in_and_out_of_async(checkpoint):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with LLM(path, config={"scheduler": {"block_size": 4}}) as llm:
         plain = [o.token_ids for o in llm.generate(prompts, params)]
-    eng = LLMEngine(load_config({"model": {"path": str(path)}, "speculative": {"method": "ngram", "num_tokens": 3},
+    eng = LLMEngine(load_config({"model": {"path": str(path)}, "speculative": {"method": "ngram", "num_tokens": 3, "schedule": "static"},
                                  "scheduler": {"block_size": 4, "async_scheduling": True}}))
     try:
         ids = [eng.add_request(p, params) for p in prompts]

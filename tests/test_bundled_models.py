@@ -44,7 +44,8 @@ def test_bundled_dspark_drafter_is_lossless_and_drafts_well():
     prompts = read_prompts(DEFAULT_PROMPTS)[:4]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in LLM("tiny-moe").generate(prompts, params)]
-    llm = LLM("tiny-moe", config={"speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4}})
+    llm = LLM("tiny-moe", config={"speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4,
+                                                   "schedule": "static"}})
     assert [o.token_ids for o in llm.generate(prompts, params)] == base
     stats = llm.engine.drafter.stats.summary()
     assert stats["mean_accepted_length"] > 1.5

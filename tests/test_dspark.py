@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 def dspark_config(draft, k=4, **parallel):
     return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
-            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k}}
+            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_dspark_sampling_is_lossless(k, top_p, small_vocab, tmp_path):  # noqa: 
     base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
     llm = LLM(small_vocab["target"], config={"scheduler": sched, "speculative": {
-        "method": "dspark", "draft_model": str(draft), "num_tokens": k}})
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}})
     spec = llm.generate([prompt] * n, params)
     stats = llm.engine.drafter.stats.summary()
     assert stats["num_draft_tokens"] > n / 2 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
@@ -219,3 +219,16 @@ def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, 
         assert new and not set(new) & set(old)
     finally:
         llm.shutdown()
+
+
+def test_context_rows_split_by_owner():
+    """Each drafter group gets its sequences' rows, in order (seq_id % groups)."""
+    from dspark_cluster.speculative.context import ContextRows
+
+    rows = ContextRows(torch.tensor([3, 4, 5, 6]), torch.tensor([0, 2, 4, 1]), torch.tensor([2, 1, 3, 2]),
+                       torch.arange(8.0)[:, None].repeat(1, 2))
+    even, odd = rows.split(2)
+    assert even.seq_ids.tolist() == [4, 6] and even.starts.tolist() == [2, 1] and even.counts.tolist() == [1, 2]
+    assert even.hidden[:, 0].tolist() == [2.0, 6.0, 7.0]
+    assert odd.seq_ids.tolist() == [3, 5] and odd.hidden[:, 0].tolist() == [0.0, 1.0, 3.0, 4.0, 5.0]
+    assert [(sid, s, h.shape[0]) for sid, s, h in odd] == [(3, 0, 2), (5, 4, 3)]

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 def spec_config(method, draft=None, k=4, speculative=None, **parallel):
     cfg = {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
-           "speculative": {"method": method, "num_tokens": k, **(speculative or {})}}
+           "speculative": {"method": method, "num_tokens": k, "schedule": "static", **(speculative or {})}}
     if draft is not None:
         cfg["speculative"]["draft_model"] = str(draft)
     return cfg
@@ -118,7 +118,7 @@ def test_sampling_is_lossless(drafter, k, top_p, small_vocab):
     sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
     base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
     method = "ngram" if drafter == "ngram" else "draft_model"
-    cfg = {"scheduler": sched, "speculative": {"method": method, "num_tokens": k}}
+    cfg = {"scheduler": sched, "speculative": {"method": method, "num_tokens": k, "schedule": "static"}}
     if method == "draft_model":
         cfg["speculative"]["draft_model"] = str(small_vocab[drafter])
     llm = LLM(small_vocab["target"], config=cfg)

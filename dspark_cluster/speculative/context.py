@@ -25,15 +25,10 @@ class ContextRows:
 
     def split(self, num_parts: int) -> list["ContextRows"]:
         """By sequence id modulo num_parts (the drafter group that owns each sequence)."""
-        offsets = torch.cumsum(self.counts, 0) - self.counts
-        parts = []
-        for g in range(num_parts):
-            pick = torch.nonzero(self.seq_ids % num_parts == g).flatten()
-            rows = torch.cat([torch.arange(int(offsets[i]), int(offsets[i] + self.counts[i])) for i in pick.tolist()]
-                             or [torch.zeros(0, dtype=torch.long)])
-            parts.append(ContextRows(self.seq_ids[pick], self.starts[pick], self.counts[pick],
-                                     self.hidden[rows.to(self.hidden.device)]))
-        return parts
+        owner = self.seq_ids % num_parts
+        row_owner = torch.repeat_interleave(owner, self.counts).to(self.hidden.device)
+        return [ContextRows(self.seq_ids[owner == g], self.starts[owner == g], self.counts[owner == g],
+                            self.hidden[row_owner == g]) for g in range(num_parts)]
 
     def __iter__(self):
         """(seq_id, start, hidden rows) per sequence."""

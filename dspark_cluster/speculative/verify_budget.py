@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -67,7 +68,7 @@ class StepCost:
         self.y = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[order][::-1])[::-1]
         self.correction = np.ones_like(self.x)
         self.alpha = alpha
-        self._xs = self.x.tolist()
+        self._xs, self._ys = self.x.tolist(), self.y.tolist()
 
     def _profile(self, B):
         B = np.asarray(B, dtype=np.float64)
@@ -82,10 +83,17 @@ class StepCost:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         # scalar code: this runs every step
-        i = bisect.bisect_left(self._xs, num_tokens)
-        if i == len(self._xs) or (i > 0 and math.log(num_tokens / self._xs[i - 1]) < math.log(self._xs[i] / num_tokens)):
+        xs, ys = self._xs, self._ys
+        i = bisect.bisect_left(xs, num_tokens)
+        if i == len(xs) or (i > 0 and math.log(num_tokens / xs[i - 1]) < math.log(xs[i] / num_tokens)):
             i -= 1  # the nearest grid point in log scale
-        ratio = seconds / max(float(self._profile(num_tokens)), 1e-9)
+        j = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)  # the profile's segment (or the last)
+        if len(xs) == 1:
+            profiled = ys[0]
+        else:
+            x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+            profiled = y0 + (y1 - y0) * (max(num_tokens, x0) - x0) / max(x1 - x0, 1.0)
+        ratio = seconds / max(profiled, 1e-9)
         self.correction[i] += self.alpha * (min(ratio, 10.0) - self.correction[i])
 
     def table(self) -> dict:
@@ -116,7 +124,7 @@ class DraftCost:
         b = int(round(math.log2(num_rows)))
         q = self.samples.setdefault(b, deque(maxlen=self.window))
         q.append(seconds / forwards)
-        self.per_forward[b] = float(np.median(q))
+        self.per_forward[b] = statistics.median(q)
 
     def __call__(self, num_rows: int, forwards: int) -> float:
         if not self.per_forward or forwards <= 0 or num_rows <= 0:
@@ -160,14 +168,13 @@ class VerifyPlanner:
         self._report_t = -math.inf
 
     # ---- confidences ----------------------------------------------------------------------
-    def raw_confidences(self, confidences, n: int) -> np.ndarray:
-        """A proposal's confidences as [K] (NaN past its n tokens); a drafter without any (n-gram)
+    def raw_confidences(self, proposals) -> np.ndarray:
+        """Proposals' confidences as [N, K] (NaN past each one's tokens); a drafter without any (n-gram)
         gets the window's acceptance rate of each position given the one before survived."""
-        out = np.full(self.k, np.nan)
-        if confidences is not None:
-            out[:n] = np.asarray(confidences, dtype=np.float64)[:n]
-        else:
-            out[:n] = self._rates[:n]
+        out = np.full((len(proposals), self.k), np.nan)
+        for i, p in enumerate(proposals):
+            n = len(p.tokens)
+            out[i, :n] = self._rates[:n] if p.confidences is None else p.confidences[:n].numpy()
         return np.clip(out, 1e-4, 1 - 1e-4)
 
     def _position_rates(self, ver: np.ndarray, acc: np.ndarray) -> np.ndarray:
@@ -226,14 +233,16 @@ class VerifyPlanner:
         self._last_draft_t = time.monotonic()
         self.draft_cost.observe(num_rows, draft_forwards(self.method, k), seconds)
 
-    def observe(self, raw: np.ndarray, verified: int, accepted: int) -> None:
-        """One row's verify outcome: its raw confidences [K] (all drafted positions), the positions
-        verified and how many of them were accepted."""
-        if self.fitted and verified:
-            a_raw = survival(raw)
-            self.live.append((a_raw, self.calibrated_survival(raw), verified, accepted))
-        self.window.append((raw, verified, accepted))
-        self._since_fit += 1
+    def observe(self, raw: np.ndarray, verified, accepted) -> None:
+        """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
+        the positions verified [N] and how many of them were accepted [N]."""
+        verified, accepted = np.asarray(verified), np.asarray(accepted)
+        if self.fitted:  # scored now with the temperatures in force (fitted on earlier rounds)
+            a_raw, a_cal = survival(raw), self.calibrated_survival(raw)
+            self.live.extend((a_raw[i], a_cal[i], int(verified[i]), int(accepted[i]))
+                             for i in np.nonzero(verified)[0].tolist())
+        self.window.extend(zip(raw, verified.tolist(), accepted.tolist()))
+        self._since_fit += len(raw)
         if (self._since_fit >= self.refit_every or not self.fitted) and len(self.window) >= self.min_rounds:
             self.refit()  # the first fit as soon as there is enough, then every refit_every rounds
 
