@@ -249,6 +249,7 @@ class AsyncEngine:
             "overlapped_steps": eng.num_overlapped_steps,
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.speculative_summary(),
+            "verify_budget": eng.step_stats[-1]["verify_budget"] if eng.step_stats else 0,
         }
 
     def rebalance_now(self) -> None:

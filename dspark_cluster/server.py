@@ -254,6 +254,13 @@ class ServerMetrics:
         self.streams_open = Gauge("dspark_http_streams_open", "Streaming responses in progress", registry=r)
         self.engine_up = Gauge("dspark_engine_up", "1 while the engine serves (state ok), else 0", registry=r)
         self.engine_restarts = Gauge("dspark_engine_restarts", "Engine restarts after worker failures", registry=r)
+        # speculative decoding (0 without a drafter): the verify budget of the last step and over the run
+        self.verify_budget = Gauge("dspark_spec_verify_budget", "Tokens the last step ran, drafts verified included",
+                                   registry=r)
+        self.verified_share = Gauge("dspark_spec_verified_share", "Share of drafted positions verified, since start",
+                                    registry=r)
+        self.accepted_length = Gauge("dspark_spec_mean_accepted_length", "Tokens per verify round, since start",
+                                     registry=r)
 
     def set_stats(self, s: dict) -> None:
         self.kv_used.set(s.get("kv_blocks_used", 0))
@@ -263,6 +270,11 @@ class ServerMetrics:
         self.preemptions.set(s.get("preemptions", 0))
         self.engine_restarts.set(s.get("restarts") or 0)
         self.engine_up.set(1 if (s.get("state") or "ok") == "ok" else 0)
+        spec = s.get("speculative") or {}
+        self.verify_budget.set(s.get("verify_budget") or 0)
+        for gauge, key in ((self.verified_share, "verified_share"), (self.accepted_length, "mean_accepted_length")):
+            v = spec.get(key)
+            gauge.set(v if v is not None and v == v else 0)  # NaN (nothing drafted yet) shows as 0
 
 
 class _CountRequests:

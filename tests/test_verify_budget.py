@@ -3,9 +3,11 @@ functions), and the engine with `speculative.schedule: confidence`."""
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from dspark_cluster import LLM, SamplingParams
 from dspark_cluster.report import format_summary, write_report
+from dspark_cluster.server import ServerMetrics
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts
 from dspark_cluster.speculative.spec_decode import Proposal
 from dspark_cluster.speculative.confidence import apply_temperatures, ece, ece_by_position, fit_sts, survival
@@ -176,3 +178,8 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         assert tmp_path / "verify_budget.png" in paths
         text = format_summary({"speculative": spec})
         assert "schedule, drafts verified" in text and "confidence" in text
+        metrics = ServerMetrics()  # what `dspark serve` exports at /metrics
+        metrics.set_stats({"speculative": spec, "verify_budget": steps[-1]["verify_budget"]})
+        prom = generate_latest(metrics.registry).decode()
+        assert f"dspark_spec_verified_share {float(spec['verified_share'])}" in prom
+        assert f"dspark_spec_verify_budget {float(steps[-1]['verify_budget'])}" in prom
