@@ -436,7 +436,9 @@ class LLMEngine:
             step_in.share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
             if export is not None and sc.scheduled:  # DSpark: the drafter reads the target's states
                 step_in.export_layers, step_in.export_to = export
-                step_in.seq_ids = torch.tensor([s.seq.seq_id for s in sc.scheduled], dtype=torch.long)
+                # -1: a request that does not speculate exports nothing
+                step_in.seq_ids = torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
+                                               dtype=torch.long)
             inputs.append(step_in)
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
             inputs[0].commit_placement, self._commit_version = self._commit_version, None

@@ -89,7 +89,7 @@ class StepInput(_NumpyWire):
     share_sampled: bool = False  # TP rank 0 broadcasts its sampled tokens (the next step may need them)
     # DSpark: the driver rank exports these decoder layers' outputs of the committed tokens
     export_layers: Optional[tuple] = None
-    seq_ids: Optional[torch.Tensor] = None  # [B] long, with export_layers
+    seq_ids: Optional[torch.Tensor] = None  # [B] long, with export_layers (-1: export nothing for that row)
     # executor ray: the drafter actors (by name) that take the rows, split by seq_id % len;
     # None in process: the rows come back in StepOutput.context
     export_to: Optional[tuple] = None

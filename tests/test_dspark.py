@@ -232,3 +232,25 @@ def test_context_rows_split_by_owner():
     assert even.hidden[:, 0].tolist() == [2.0, 6.0, 7.0]
     assert odd.seq_ids.tolist() == [3, 5] and odd.hidden[:, 0].tolist() == [0.0, 1.0, 3.0, 4.0, 5.0]
     assert [(sid, s, h.shape[0]) for sid, s, h in odd] == [(3, 0, 2), (5, 4, 3)]
+
+
+def test_a_request_that_does_not_speculate_exports_nothing(checkpoint, drafters, prompts):
+    """Only speculating requests' rows go to the drafter; the others' outputs are unchanged."""
+    target = checkpoint("deepseek_v3")
+    llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
+    backend = llm.engine.drafter.backend
+    seen, ingest = [], backend.ingest
+
+    def spy(rows):
+        seen.append(rows)
+        ingest(rows)
+
+    backend.ingest = spy
+    off = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, speculative=False)
+    outs = llm.generate(prompts[:2], [GREEDY, off])
+    sids = {sid for rows in seen for sid, _, _ in rows}
+    assert len(sids) == 1  # the first request's
+    assert sum(h.shape[0] for rows in seen for _, _, h in rows) == len(prompts[0]) + len(outs[0].token_ids) - 1
+    assert outs[1].metrics["num_draft_tokens"] == 0
+    plain = LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts[:2], GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

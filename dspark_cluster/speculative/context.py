@@ -44,10 +44,12 @@ def committed_rows(captured, seq_ids, query_lens, context_lens, sample_rows, num
     captured [T, F] (one row per input token, sequences in order); seq_ids, query_lens,
     context_lens [B]; sample_rows [S] (indices into B); num_draft [S] or None; num_tokens [S] (tokens
     each sample row produced: accepted drafts + 1). A sequence commits all its input tokens but the
-    drafts; a verify row also commits its accepted drafts (num_tokens - 1 of them)."""
+    drafts; a verify row also commits its accepted drafts (num_tokens - 1 of them). A sequence id of
+    -1 (a request that does not speculate) exports nothing."""
     committed = query_lens.clone()
     if num_draft is not None and sample_rows.numel():
         committed[sample_rows] -= num_draft - (num_tokens - 1)
+    committed = torch.where(seq_ids >= 0, committed, 0)
     starts = context_lens - query_lens
     first = torch.cumsum(query_lens, 0) - query_lens
     idx = torch.repeat_interleave(first, committed) + (
