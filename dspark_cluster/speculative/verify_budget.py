@@ -143,7 +143,7 @@ class VerifyPlanner:
     drafter cost models, and the choices per step."""
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 500,
-                 min_rounds: int = 50, explore_every: int = 64, explore_rows: int = 4):
+                 min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4):
         self.k, self.step_cost, self.method = k, step_cost, method
         self.draft_cost = DraftCost()
         self.window = deque(maxlen=window)  # (raw confidences [K] NaN-padded, verified, accepted)
@@ -154,7 +154,9 @@ class VerifyPlanner:
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
-        self.explore_share = 0.01  # exploring costs at most this share of the time spent not drafting
+        # exploring costs at most this share of the time spent not drafting (its backlog, a draft model's
+        # catch-up over every token since it last drafted, is not in the figure: hence so small a share)
+        self.explore_share = 0.002
         self._explore_s = 0.0  # what the last exploring step cost
         self._last_draft_t = 0.0
         self._memo: dict[int, tuple[int, int]] = {}  # rows -> (draft length, uses left)
