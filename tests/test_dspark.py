@@ -77,13 +77,8 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
     assert 8 not in prop.ctx
 
 
-def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, drafters, prompts):
-    """What reaches the drafter, position by position, equals transformers' hidden states of the
-    final sequence (so rejected drafts never leak in), and the step's byte count is those rows'."""
-    from conftest import hf_model
-
-    target = checkpoint("deepseek_v3")
-    llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
+def spy_on_ingest(llm) -> list:
+    """The ContextRows the in-process drafter ingests, as they arrive (it still ingests them)."""
     backend = llm.engine.drafter.backend
     seen, ingest = [], backend.ingest
 
@@ -92,6 +87,17 @@ def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, d
         ingest(rows)
 
     backend.ingest = spy
+    return seen
+
+
+def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, drafters, prompts):
+    """What reaches the drafter, position by position, equals transformers' hidden states of the
+    final sequence (so rejected drafts never leak in), and the step's byte count is those rows'."""
+    from conftest import hf_model
+
+    target = checkpoint("deepseek_v3")
+    llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
+    seen = spy_on_ingest(llm)
     outs = llm.generate(prompts, GREEDY)
     stats = llm.engine.drafter.stats.summary()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # rejections happened
@@ -238,14 +244,7 @@ def test_a_request_that_does_not_speculate_exports_nothing(checkpoint, drafters,
     """Only speculating requests' rows go to the drafter; the others' outputs are unchanged."""
     target = checkpoint("deepseek_v3")
     llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
-    backend = llm.engine.drafter.backend
-    seen, ingest = [], backend.ingest
-
-    def spy(rows):
-        seen.append(rows)
-        ingest(rows)
-
-    backend.ingest = spy
+    seen = spy_on_ingest(llm)
     off = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, speculative=False)
     outs = llm.generate(prompts[:2], [GREEDY, off])
     sids = {sid for rows in seen for sid, _, _ in rows}
