@@ -3,6 +3,7 @@ functions), and the engine with `speculative.schedule: confidence`."""
 
 import numpy as np
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from dspark_cluster import LLM, SamplingParams
@@ -144,6 +145,8 @@ def test_planner_ngram_rates_come_from_outcomes():
         p.observe(p.raw_confidences(two), [2, 2], [2, 0])
     p.refit()  # rates are refreshed with each fit
     rates = p.raw_confidences(two)[0]
+    bf16 = p.raw_confidences([Proposal([1], None, torch.tensor([0.5], dtype=torch.bfloat16))])[0]  # a bf16 drafter
+    assert bf16[0] == 0.5 and np.isnan(bf16[1])
     assert rates[0] == pytest.approx(41 / 82) and rates[1] == pytest.approx(41 / 42)
 
 

@@ -132,8 +132,10 @@ class DraftCost:
         xs = sorted(self.per_forward)
         x = math.log2(num_rows)
         per = float(np.interp(x, xs, [self.per_forward[b] for b in xs]))
-        if x > xs[-1] or x < xs[0]:  # outside what was measured: in proportion to the rows (below, that is
-            per *= num_rows / 2 ** (xs[-1] if x > xs[-1] else xs[0])  # optimistic: drafting is tried, then measured)
+        if x > xs[-1] or x < xs[0]:
+            # outside what was measured: in proportion to the rows (optimistic below: drafting is tried there,
+            # then measured)
+            per *= num_rows / 2 ** (xs[-1] if x > xs[-1] else xs[0])
         return forwards * per
 
 
@@ -176,7 +178,8 @@ class VerifyPlanner:
         out = np.full((len(proposals), self.k), np.nan)
         for i, p in enumerate(proposals):
             n = len(p.tokens)
-            out[i, :n] = self._rates[:n] if p.confidences is None else p.confidences[:n].numpy()
+            # float(): a drafter running in bf16 gives bf16 confidences, which numpy has no type for
+            out[i, :n] = self._rates[:n] if p.confidences is None else p.confidences[:n].float().numpy()
         return np.clip(out, 1e-4, 1 - 1e-4)
 
     def _position_rates(self, ver: np.ndarray, acc: np.ndarray) -> np.ndarray:
