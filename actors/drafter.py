@@ -20,7 +20,8 @@ CONTEXT_WAIT_S = 0.05
 
 
 class Drafter:
-    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, rank: int = 0, world_size: int = 1,
+                 calibrator: str = None):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
         from dspark_cluster.config import load_config
@@ -30,6 +31,9 @@ class Drafter:
         self.rank, self.world_size = rank, world_size
         self.state = self.proposer = None
         self._lock = threading.Condition()  # a DSpark drafter serves two callers (Router, target worker)
+        self.calibrator_name = calibrator  # online calibration: where finished sequences' rounds go
+        self._calibrator = None
+        self._outbox, self._sent_t = [], time.monotonic()
 
     def node_address(self) -> tuple[str, int]:
         """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
@@ -78,7 +82,7 @@ class Drafter:
     def ready(self) -> bool:
         return True
 
-    def propose(self, requests):
+    def propose(self, requests, version: int = 0):
         """Every rank of the group runs the same proposal; only TP rank 0's is returned (the
         others' carry no draft law, and sending them back would only cost time). A DSpark drafter
         first waits, briefly, for context rows the target's workers sent but that have not arrived
@@ -88,6 +92,8 @@ class Drafter:
                 deadline = time.monotonic() + CONTEXT_WAIT_S
                 while self.proposer.waiting_for(requests) and time.monotonic() < deadline:
                     self._lock.wait(timeout=max(deadline - time.monotonic(), 0))
+            if version != getattr(self.proposer, "version", 0):  # a publish or rollback: every rank at this call
+                self.proposer.use(version)
             proposals = self.proposer.propose(requests)
         return proposals if self.state.tp_rank == 0 else None
 
@@ -101,9 +107,44 @@ class Drafter:
         with self._lock:
             self.proposer.prefill(requests)
 
-    def free(self, seq_ids) -> None:
+    def free(self, seq_ids, reasons=None) -> None:
         with self._lock:
-            self.proposer.free(seq_ids)
+            if reasons is None:
+                self.proposer.free(seq_ids)
+                return
+            self.proposer.free(seq_ids, reasons)
+            samples = self.proposer.take_samples()
+        if self.state.tp_rank == 0 and self.calibrator_name:
+            self._ship(samples)
+
+    def _ship(self, samples) -> None:
+        """Finished sequences' rounds to the calibrator, in batches (fire and forget: a calibrator
+        that is gone costs the samples, never the serving)."""
+        import ray
+
+        self._outbox += samples
+        if not self._outbox or (len(self._outbox) < 8 and time.monotonic() - self._sent_t < 2.0):
+            return
+        batch, self._outbox, self._sent_t = self._outbox, [], time.monotonic()
+        try:
+            if self._calibrator is None:
+                self._calibrator = ray.get_actor(self.calibrator_name)
+            self._calibrator.add.remote(batch)
+        except Exception:  # noqa: BLE001
+            self._calibrator = None
+
+    def stage(self, version: int, state, keep) -> int:
+        """Hold a calibrated version (`state`: its weights, from the object store) to switch to."""
+        with self._lock:
+            self.proposer.stage(version, state, keep)
+        return version
+
+    def version_report(self) -> dict:
+        """The serving version and a fingerprint of the weights in use (tests: every rank the same)."""
+        with self._lock:
+            m = self.proposer.model
+            return {"version": self.proposer.version, "staged": sorted(self.proposer.staged),
+                    "weights_sum": float(sum(p.double().sum() for p in m.parameters()))}
 
     def context_stats(self) -> dict:
         with self._lock:

@@ -39,6 +39,8 @@ class RayMetrics:
                                    tag_keys=tags)
         self.verified_share = Gauge("dspark_spec_verified_share", "Share of the last step's drafts that were verified",
                                     tag_keys=tags)
+        self.drafter_version = Gauge("dspark_drafter_version", "The drafter version serving (online calibration)",
+                                     tag_keys=tags)
         self.restarts = Counter("dspark_engine_restarts_total", "Restarts of the target's workers after a lost worker",
                                 tag_keys=tags)
 
@@ -55,6 +57,7 @@ class RayMetrics:
             self.verified_share.set(s["num_verified"] / s["num_drafted"], self.tags)
         if s["num_verified"]:
             self.verified.inc(s["num_verified"], self.tags)
+        self.drafter_version.set(s.get("drafter_version", 0), self.tags)
 
     def observe_restarts(self, count: int) -> None:
         self.restarts.inc(count, self.tags)

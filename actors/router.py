@@ -50,6 +50,17 @@ class Router:
     def set_speculation(self, enabled: bool) -> None:
         self.core.set_speculation(enabled)
 
+    async def drafter_status(self) -> dict:
+        import asyncio
+
+        return await asyncio.to_thread(self.core.drafter_status)  # it may ask the calibrator actor
+
+    async def rollback_drafter(self, version=None) -> dict:
+        return await self.core.rollback_drafter(version)
+
+    async def resume_drafter(self) -> dict:
+        return await self.core.resume_drafter()
+
     def balancer_summary(self) -> dict:
         b = self.core.engine.balancer
         return b.summary() if b is not None else {}

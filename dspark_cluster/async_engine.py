@@ -92,6 +92,13 @@ class AsyncEngine:
                 self.engine.rebalance_now()
             elif kind == "speculation":
                 self.engine.set_speculation(arg)
+            elif kind == "rollback_drafter":  # at a step boundary, on the step thread
+                version, done = arg
+                try:
+                    done.set_result(self.engine.resume_drafter() if version == "resume"
+                                    else self.engine.rollback_drafter(version))
+                except BaseException as e:  # noqa: BLE001 -- the caller gets it (RequestError: no such version)
+                    done.set_exception(e)
             elif kind == "abort":
                 removed = self.engine.abort_request(arg)
                 self._deliver([TokenEvent(s.request_id, [], True, "abort", s) for s in removed])
@@ -261,6 +268,27 @@ class AsyncEngine:
         """Switch speculative decoding on or off for all requests, from the next step."""
         self._commands.put(("speculation", enabled))
         self._wake.set()
+
+    def drafter_status(self) -> dict:
+        """Online calibration: the serving drafter version, its history, the calibrator's buffer."""
+        return self.engine.drafter_status()
+
+    async def rollback_drafter(self, version: Optional[int] = None) -> dict:
+        """Serve an earlier drafter version (None: the original) from the next step; returns the
+        drafter status after it. Raises RequestError for a version no drafter holds."""
+        return await self._drafter_command(version)
+
+    async def resume_drafter(self) -> dict:
+        """After a manual rollback: let calibrated drafter versions publish again."""
+        return await self._drafter_command("resume")
+
+    async def _drafter_command(self, arg) -> dict:
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("rollback_drafter", (arg, done)))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
 
     def shutdown(self) -> None:
         self._stop = True

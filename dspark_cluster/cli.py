@@ -1,4 +1,4 @@
-"""Command line: `dspark run`, `dspark kv-plan` (and `dspark serve`)."""
+"""Command line: `dspark run`, `dspark kv-plan`, `dspark serve` and `dspark drafter status|rollback`."""
 
 from __future__ import annotations
 
@@ -33,11 +33,50 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--max-body-mb", type=float, default=8.0,
                        help="refuse request bodies over this many MiB with a 413 (default 8; 0: no limit)")
+    drafter = sub.add_parser("drafter", help="online drafter calibration on a running server: status, rollback "
+                             "(holds the version), resume (lets calibrated versions publish again)")
+    drafter.add_argument("action", choices=["status", "rollback", "resume"])
+    drafter.add_argument("--version", type=int, default=None,
+                         help="rollback: the version to serve (default: the original, uncalibrated weights)")
+    drafter.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    drafter.add_argument("--api-key", default=None, help="its API key (default: the DSPARK_API_KEY variable)")
     return p
+
+
+def _drafter_command(args) -> int:
+    """GET /admin/drafter or POST /admin/drafter/rollback, printing the JSON answer."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    key = args.api_key or os.environ.get("DSPARK_API_KEY")
+    url = args.url.rstrip("/") + {"status": "/admin/drafter", "rollback": "/admin/drafter/rollback",
+                                  "resume": "/admin/drafter/resume"}[args.action]
+    data = {"status": None, "rollback": json.dumps({"version": args.version}).encode(), "resume": b"{}"}[args.action]
+    req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        print(f"error: {url} answered {e.code}: {detail}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as e:
+        print(f"error: cannot reach {url}: {e.reason}", file=sys.stderr)
+        return 1
+    if args.action != "status":
+        print(f"serving drafter version {body.get('serving_version')}"
+              f"{' (held: nothing publishes until resume)' if body.get('pinned') else ''}")
+    print(json.dumps(body, indent=2))
+    return 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "drafter":
+        return _drafter_command(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "run":

@@ -143,6 +143,34 @@ class EngineClient:
             return self._engine.stats()
         return await self._router.stats.remote()
 
+    async def drafter_status(self) -> dict:
+        """Online calibration: serving drafter version, history, the calibrator's buffer."""
+        if self._engine is not None:
+            import asyncio
+
+            return await asyncio.to_thread(self._engine.drafter_status)
+        return await self._router_call(self._router.drafter_status)
+
+    async def rollback_drafter(self, version: Optional[int] = None) -> dict:
+        """Serve an earlier drafter version (None: the original) from the next step."""
+        if self._engine is not None:
+            return await self._engine.rollback_drafter(version)
+        return await self._router_call(self._router.rollback_drafter, version)
+
+    async def resume_drafter(self) -> dict:
+        """After a manual rollback: let calibrated versions publish again."""
+        if self._engine is not None:
+            return await self._engine.resume_drafter()
+        return await self._router_call(self._router.resume_drafter)
+
+    async def _router_call(self, method, *args):
+        from ray.exceptions import RayError
+
+        try:
+            return await method.remote(*args)
+        except RayError as e:
+            raise _unwrap_ray_error(e) from None
+
     def shutdown(self) -> None:
         if not self._owns:
             return

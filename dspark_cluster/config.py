@@ -79,6 +79,28 @@ class SchedulerConfig(_Section):
         return self
 
 
+class CalibrationConfig(_Section):
+    """Online calibration of the DSpark drafter on live verification rounds (off until measured on a
+    workload: see BENCHMARKS.md "Online drafter calibration")."""
+
+    enabled: bool = False
+    interval_s: float = Field(30.0, gt=0)  # at most one training update per interval, never in a step
+    buffer_rounds: int = Field(4096, ge=16)  # verify rounds the replay buffer keeps (oldest sequences go first)
+    min_rounds: int = Field(256, ge=1)  # rounds in the buffer before the first update
+    learning_rate: float = Field(3e-4, gt=0)
+    steps_per_update: int = Field(40, ge=1)  # optimiser steps per update
+    batch_rounds: int = Field(16, ge=1)  # rounds per optimiser step
+    top_logprobs: int = Field(20, ge=1, le=256)  # the target's top-k log-probabilities kept per position
+    reject_weight: float = Field(2.0, ge=0)  # extra loss weight at the first rejected position (OSD)
+    # rounds where the target's mean entropy exceeds this share of ln(vocab) are dropped (it does not know)
+    max_entropy_share: float = Field(0.85, gt=0, le=1)
+    holdout: float = Field(0.2, gt=0, lt=1)  # share of sequences held back for the shadow evaluation
+    margin: float = Field(0.02, ge=0)  # a candidate publishes when its shadow tau beats the serving one by this share
+    rollback_margin: float = Field(0.1, ge=0, lt=1)  # live tau below the predecessor's by this share: roll back
+    window_rounds: int = Field(200, ge=10)  # verify rounds a live tau is measured over
+    keep_versions: int = Field(3, ge=1)  # published versions kept for rollback (the original is always kept)
+
+
 class SpeculativeConfig(_Section):
     method: Literal["none", "ngram", "draft_model", "dspark"] = "none"
     draft_model: Optional[str] = None
@@ -90,6 +112,7 @@ class SpeculativeConfig(_Section):
     # the draft slots whose calibrated survival pays for their cost at the current load (num_tokens is
     # then the most drafted); static: always draft and verify num_tokens
     schedule: Literal["confidence", "static"] = "confidence"
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
     @property
     def enabled(self) -> bool:
@@ -100,6 +123,9 @@ class SpeculativeConfig(_Section):
     def _check(self):
         if self.method in ("draft_model", "dspark") and not self.draft_model:
             raise ValueError(f"draft_model: method {self.method!r} needs a draft_model path")
+        if self.calibration.enabled and self.method != "dspark":
+            raise ValueError(f"calibration.enabled: got true with method {self.method!r}; online calibration trains "
+                             "the DSpark drafter: use method dspark or set calibration.enabled false")
         return self
 
 

@@ -181,6 +181,9 @@ class LLMEngine:
         self.async_scheduling = cfg.parallel.executor == "ray" if mode == "auto" else bool(mode)
         self._inflight: Optional[_InFlight] = None
         self._scheduling = None  # the step being submitted (to fail its requests if that fails)
+        self._drafter_version = 0  # online calibration: the drafter version the planner's window is of
+        cal = cfg.speculative.calibration
+        self._record_rounds = self.drafter is not None and cal.enabled
 
     def _profile_step_cost(self, repeats: int = 5) -> StepCost:
         """T(B) at start-up: greedy verify steps of B tokens (up to the most a step can verify:
@@ -266,7 +269,10 @@ class LLMEngine:
         return self.schedulers[0].blocks
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[Sequence]:
-        return [s for g in self.schedulers for s in g.abort(request_id, reason)]
+        removed = [s for g in self.schedulers for s in g.abort(request_id, reason)]
+        if self.drafter is not None and removed:  # its drafter state goes too (and none of its rounds is learnt)
+            self.drafter.free([s.seq_id for s in removed], {s.seq_id: reason for s in removed})
+        return removed
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or any(g.has_unfinished() for g in self.schedulers)
@@ -295,8 +301,10 @@ class LLMEngine:
         events: list[TokenEvent] = []
         step, self._inflight = self._inflight, None
         self._scheduling = None
-        if self.drafter is not None and self.drafter.poll():
-            self._apply_speculation()
+        if self.drafter is not None:
+            if self.drafter.poll(self.num_steps):
+                self._apply_speculation()
+            self._follow_drafter_version()
         try:
             if step is None:
                 self._plan_drafts()
@@ -324,6 +332,35 @@ class LLMEngine:
             raise StepError(self._fail(failed), e) from e
         return self._free_drafts(events)
 
+    def _follow_drafter_version(self) -> None:
+        """A published or rolled-back drafter version: the verify budget recalibrates on its rounds."""
+        versions = self.drafter.versions
+        if versions is not None and versions.serving != self._drafter_version:
+            self._drafter_version = versions.serving
+            if self.planner is not None:
+                self.planner.drafter_changed()
+
+    def drafter_status(self) -> dict:
+        """Online calibration: the serving drafter version, its history and the calibrator's state."""
+        if self.drafter is None:
+            return {"calibration": False, "serving_version": None, "speculative": False}
+        return self.drafter.status()
+
+    def rollback_drafter(self, version: Optional[int] = None) -> dict:
+        """Serve an earlier drafter version (None: the original weights) from the next step, and
+        hold it until resume_drafter()."""
+        if self.drafter is None:
+            raise RequestError("version: speculative decoding is off; there is no drafter to roll back")
+        out = self.drafter.rollback(version, self.num_steps)
+        self._follow_drafter_version()
+        return out
+
+    def resume_drafter(self) -> dict:
+        """After a manual rollback: let calibrated drafter versions publish again."""
+        if self.drafter is None:
+            raise RequestError("speculative decoding is off; there is no drafter to resume")
+        return self.drafter.resume()
+
     def _fail(self, seqs: list[Sequence]) -> list[str]:
         """Finish these sequences with reason "error" and free their KV; returns their request ids."""
         ids = list(dict.fromkeys(seq.request_id for seq in seqs if not seq.finished))
@@ -331,7 +368,7 @@ class LLMEngine:
             for seq in self.abort_request(rid, reason="error"):
                 self.release(seq.request_id)
         if self.drafter is not None:
-            self.drafter.free([seq.seq_id for seq in seqs])
+            self.drafter.free([seq.seq_id for seq in seqs], {seq.seq_id: "error" for seq in seqs})
         return ids
 
     def _recover(self, error: WorkerError) -> None:
@@ -380,7 +417,8 @@ class LLMEngine:
 
     def _free_drafts(self, events: list[TokenEvent]) -> list[TokenEvent]:
         if self.drafter is not None:
-            self.drafter.free([ev.seq.seq_id for ev in events if ev.finished])
+            done = [ev for ev in events if ev.finished]
+            self.drafter.free([ev.seq.seq_id for ev in done], {ev.seq.seq_id: ev.finish_reason for ev in done})
         return events
 
     def _overlap(self) -> bool:
@@ -439,6 +477,10 @@ class LLMEngine:
                 # -1: a request that does not speculate exports nothing
                 step_in.seq_ids = torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
                                                dtype=torch.long)
+                if self._record_rounds:  # online calibration: the rounds of requests that let it are recorded
+                    step_in.record_rounds = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
+                                                         dtype=torch.bool)
+                    step_in.record_top_logprobs = self.cfg.speculative.calibration.top_logprobs
             inputs.append(step_in)
         if self.balancer is not None and self.cfg.parallel.world_size > 1:
             inputs[0].commit_placement, self._commit_version = self._commit_version, None
@@ -473,6 +515,7 @@ class LLMEngine:
                     out.context = None
         step.processed = True
         events = []
+        spec_rounds = spec_tokens = 0  # verify rounds this step and the tokens they produced (tau = tokens / rounds)
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
             sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
@@ -480,6 +523,11 @@ class LLMEngine:
                 for s in rows:
                     if s.proposal is not None:
                         self.drafter.stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1, s.proposal.confidences)
+                round_tokens = [len(sampled[s.seq.seq_id]) for s in rows if s.proposal is not None]
+                self.drafter.observe_rounds(round_tokens, [s.num_draft for s in rows if s.proposal is not None],
+                                            self.num_steps)
+                spec_rounds += len(round_tokens)
+                spec_tokens += sum(round_tokens)
                 drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
                 if self.planner is not None and drafted:
                     self.planner.observe(np.stack([s.draft_confidences for s in drafted]),
@@ -512,6 +560,9 @@ class LLMEngine:
                                    for sc in scheds for s in sc.scheduled),
                 "num_verified": sum(s.num_draft for sc in scheds for s in sc.scheduled),
                 "draft_len": max((s.num_lookahead for sc in scheds for s in sc.scheduled), default=0),
+                "spec_rounds": spec_rounds,
+                "spec_tokens": spec_tokens,
+                "drafter_version": self._drafter_version,
             }
         )
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
@@ -587,6 +638,8 @@ class LLMEngine:
         out["verified_share"] = self.num_verified / self.num_drafted if self.num_drafted else float("nan")
         if self.planner is not None:
             out["calibration"] = self.planner.summary()
+        if self.drafter.versions is not None:  # online calibration (the calibrator's side: drafter_status())
+            out["drafter_versions"] = self.drafter.versions.status()
         return out
 
     def set_speculation(self, enabled: bool) -> None:

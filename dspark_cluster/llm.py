@@ -156,6 +156,35 @@ class LLM:
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
+    # ---- online drafter calibration ---------------------------------------------------------
+    def drafter_status(self) -> dict:
+        """The serving drafter version, the history of versions (version, time, rounds trained on,
+        shadow score, live tau), the versions held for rollback and the calibrator's buffer."""
+        if self.router is not None:
+            from .cluster import ray_get
+
+            return ray_get(self.router.drafter_status.remote())
+        return self.engine.drafter_status()
+
+    def rollback_drafter(self, version: Optional[int] = None) -> dict:
+        """Serve an earlier drafter version from the next step (None: the original, uncalibrated
+        weights) and hold it: no calibrated version publishes until resume_drafter(). Returns
+        drafter_status(); RequestError for a version the drafters do not hold."""
+        if self.router is not None:
+            from .cluster import ray_get
+
+            return ray_get(self.router.rollback_drafter.remote(version))
+        return self.engine.rollback_drafter(version)
+
+    def resume_drafter(self) -> dict:
+        """After rollback_drafter (which holds the version it rolled back to): let calibrated
+        versions publish again."""
+        if self.router is not None:
+            from .cluster import ray_get
+
+            return ray_get(self.router.resume_drafter.remote())
+        return self.engine.resume_drafter()
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

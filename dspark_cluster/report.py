@@ -163,6 +163,9 @@ def write_report(report: dict, out_dir) -> list[Path]:
     plots = [("latency.png", _plot_latency), ("kv_usage.png", _plot_kv_usage), ("step_time.png", _plot_step_time)]
     if any(s.get("num_drafted") for s in steps):
         plots.append(("verify_budget.png", _plot_verify_budget))
+    if len({s.get("drafter_version", 0) for s in steps}) > 1 or (
+            (report.get("summary") or {}).get("speculative") or {}).get("drafter_versions"):
+        plots.append(("drafter_versions.png", _plot_drafter_versions))
     for name, draw in plots:
         fig = draw(plt, requests, steps, kv_total)
         path = out_dir / name
@@ -282,6 +285,38 @@ def _plot_verify_budget(plt, requests, steps, kv_total):
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def _plot_drafter_versions(plt, requests, steps, kv_total):
+    """Online calibration: tau (tokens per verify round) over time in bins of 20 steps with verify
+    rounds, the serving drafter version in each bin, and a line at each change of version (publish:
+    up, rollback: down)."""
+    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+    spec = [s for s in steps if s.get("spec_rounds")]
+    if not spec:
+        _no_data(ax, "no verify rounds")
+        return fig
+    t0 = steps[0]["time"]
+    xs, ys, vs = [], [], []
+    for i in range(0, len(spec), 20):
+        part = spec[i : i + 20]
+        xs.append(np.mean([s["time"] - t0 for s in part]))
+        ys.append(sum(s["spec_tokens"] for s in part) / sum(s["spec_rounds"] for s in part))
+        vs.append(part[-1].get("drafter_version", 0))
+    ax.plot(xs, ys, color="tab:blue", marker=".", lw=1)
+    prev = steps[0].get("drafter_version", 0)
+    for s in steps:
+        v = s.get("drafter_version", 0)
+        if v != prev:
+            up = v > prev
+            ax.axvline(s["time"] - t0, color="tab:green" if up else "tab:red", alpha=0.6, lw=1)
+            ax.annotate(f"{'publish' if up else 'rollback'} v{v}", (s["time"] - t0, max(ys)), fontsize=7, rotation=90,
+                        va="top")
+            prev = v
+    ax.set_title("Tokens per verify round (tau) by drafter version")
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("tau (20 verify steps per point)")
     return fig
 
 

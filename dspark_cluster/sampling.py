@@ -31,6 +31,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[Annotated[int, Field(ge=0, le=INT64_MAX)], ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # per-request switch for speculative decoding
+    calibrate: bool = True  # this request's verify rounds may teach the drafter (online calibration)
     # per-request k (capped by the config's)
     num_speculative_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
 

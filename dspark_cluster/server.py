@@ -8,7 +8,14 @@ A client that goes away (mid-stream or while waiting for a non-streamed answer) 
 requests, which frees their KV blocks.
 
 Beyond OpenAI's fields, requests accept (top level or inside `extra_body`): `speculative` (bool,
-default true: speculative decoding for this request), `top_k`, `ignore_eos`, `stop_token_ids`.
+default true: speculative decoding for this request), `calibrate` (bool, default true: with online
+calibration on, this request's verify rounds may teach the drafter), `top_k`, `ignore_eos`,
+`stop_token_ids`.
+
+Admin routes (behind the API key like `/v1/*`): `GET /admin/drafter` (the serving drafter version,
+its history and the calibration buffer), `POST /admin/drafter/rollback` with `{"version": N}`
+(null or absent: the original weights; the version is then held) and `POST /admin/drafter/resume`
+(calibrated versions publish again).
 
 Hardening at the edge: bodies over `max_body_bytes` get a 413 before they are parsed (Content-Length
 first, then counted while a chunked body is read); JSON nested deeper than 64 levels, lists longer
@@ -141,7 +148,7 @@ def _validation_error(errors: list[dict]) -> APIError:
 # request bodies
 # ---------------------------------------------------------------------------------------------
 
-_EXTENSIONS = ("speculative", "top_k", "ignore_eos", "stop_token_ids")
+_EXTENSIONS = ("speculative", "calibrate", "top_k", "ignore_eos", "stop_token_ids")
 
 
 class _Body(BaseModel):
@@ -179,10 +186,17 @@ class _SamplingFields(_Body):
     user: Optional[str] = None
     # extensions (vLLM-style)
     speculative: bool = True
+    calibrate: bool = True  # false: this request's verify rounds never teach the drafter (online calibration)
     top_k: Optional[int] = Field(None, ge=0, le=INT64_MAX)  # the engine also refuses top_k > vocabulary
     ignore_eos: bool = False
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0, le=INT64_MAX)]]] = Field(
         None, max_length=MAX_STOP_TOKEN_IDS)
+
+
+class DrafterRollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: Optional[int] = Field(None, ge=0)  # None: the original, uncalibrated weights
 
 
 class CompletionRequest(_SamplingFields):
@@ -261,6 +275,10 @@ class ServerMetrics:
                                     registry=r)
         self.accepted_length = Gauge("dspark_spec_mean_accepted_length", "Tokens per verify round, since start",
                                      registry=r)
+        self.drafter_version = Gauge("dspark_drafter_version", "The drafter version serving (online calibration)",
+                                     registry=r)
+        self.drafter_live_tau = Gauge("dspark_drafter_live_tau", "Tokens per verify round of the serving drafter "
+                                      "version over its last window_rounds", registry=r)
 
     def set_stats(self, s: dict) -> None:
         self.kv_used.set(s.get("kv_blocks_used", 0))
@@ -275,6 +293,9 @@ class ServerMetrics:
         for gauge, key in ((self.verified_share, "verified_share"), (self.accepted_length, "mean_accepted_length")):
             v = spec.get(key)
             gauge.set(v if v is not None and v == v else 0)  # NaN (nothing drafted yet) shows as 0
+        versions = spec.get("drafter_versions") or {}
+        self.drafter_version.set(versions.get("serving_version") or 0)
+        self.drafter_live_tau.set(versions.get("live_tau") or 0)
 
 
 class _CountRequests:
@@ -759,6 +780,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 speculative=req.speculative,
+                calibrate=req.calibrate,
             )
         except RequestError as e:
             raise APIError(400, str(e), code="invalid_value") from None
@@ -872,6 +894,29 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         except Exception:  # noqa: BLE001 -- an engine that does not answer is down
             metrics.engine_up.set(0)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/drafter")
+    async def drafter_status(request: Request):
+        check_auth(request)
+        return _AsciiJSON(await client.drafter_status())
+
+    @app.post("/admin/drafter/rollback")
+    async def drafter_rollback(request: Request):
+        check_auth(request)
+        body = await request.body()
+        req = _validate(DrafterRollbackRequest, _load_json(body) if body.strip() else {})
+        try:
+            return _AsciiJSON(await client.rollback_drafter(req.version))
+        except RequestError as e:
+            raise APIError(400, str(e), code="invalid_value", param="version") from None
+
+    @app.post("/admin/drafter/resume")
+    async def drafter_resume(request: Request):
+        check_auth(request)
+        try:
+            return _AsciiJSON(await client.resume_drafter())
+        except RequestError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
 
     def model_card() -> dict:
         return {"id": served_model_name, "object": "model", "created": created, "owned_by": "dspark",

@@ -17,6 +17,7 @@ import torch
 
 from .model.attention import build_metadata
 from .sampling import sample
+from .speculative.calibration import record_rounds
 from .speculative.spec_decode import verify
 from .speculative.context import ContextRows, committed_rows
 from .scheduler import ScheduledSeq
@@ -93,6 +94,9 @@ class StepInput(_NumpyWire):
     # executor ray: the drafter actors (by name) that take the rows, split by seq_id % len;
     # None in process: the rows come back in StepOutput.context
     export_to: Optional[tuple] = None
+    # online calibration: sample rows whose verify rounds are recorded (with the target's top-k law)
+    record_rounds: Optional[torch.Tensor] = None  # [S] bool
+    record_top_logprobs: int = 20
 
 
 @dataclass
@@ -235,6 +239,7 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
     offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     rows_idx = torch.repeat_interleave(ends - counts, counts) + offsets
     sampled, num_tokens, logits = torch.empty(S, 1, dtype=torch.long), torch.ones(S, dtype=torch.long), None
+    rounds = None
     if S and (sample_tokens or model.comm.tp_size > 1):
         logits = model.compute_logits(hidden[rows_idx.to(device)])  # non-drivers join the vocab all-gather
     if sample_tokens and S:
@@ -248,18 +253,33 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
             probs = step.draft_probs.to(device) if step.draft_probs is not None else None
             tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
             sampled, num_tokens = tokens.cpu(), num_tokens.cpu()
+            if step.record_rounds is not None and capture:
+                rounds = _record(step, padded, nd, sampled, num_tokens, ends)
     if step.share_sampled and S and model.comm.tp_size > 1:  # every rank needs them for the next input
         sampled = model.comm.broadcast(sampled).cpu()
     context = None
     if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
         context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
                                  step.num_draft, num_tokens)
+        context.rounds = rounds
     model.captured = None
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,
                       logits=logits.cpu() if step.return_logits and logits is not None else None,
                       context=context, export_bytes=context.nbytes if context is not None else 0)
+
+
+def _record(step: StepInput, padded, nd, sampled, num_tokens, ends):
+    """The verify rounds of the rows that record them (online calibration), or None."""
+    rows = torch.nonzero(step.record_rounds & (nd > 0)).flatten()
+    if rows.numel() == 0:
+        return None
+    anchor_idx = ends[rows] - nd[rows] - 1  # the last committed token before a row's drafts
+    return record_rounds(padded[rows.to(padded.device)], step.draft_tokens[rows], nd[rows], sampled[rows],
+                         num_tokens[rows], step.temperature[rows], step.input_ids[anchor_idx],
+                         step.context_lens[step.sample_rows[rows]] - nd[rows] - 1, step.seq_ids[step.sample_rows[rows]],
+                         step.record_top_logprobs)
 
 
 def _idle_step(model, device) -> StepOutput:

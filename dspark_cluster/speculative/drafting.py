@@ -12,6 +12,7 @@ import uuid
 from typing import Optional
 
 from ..errors import ConfigError, DSparkError
+from .calibration import CalibrationLoop, Calibrator, DrafterVersions
 from .proposers import DraftRequest, make_proposer
 from .spec_decode import Proposal
 
@@ -59,7 +60,8 @@ def check_drafter_resources(cfg, ray) -> str:
     """Refuse a drafter group the Ray cluster cannot host beside the target's world (ConfigError,
     raised before any drafter starts). Returns the drafters' device kind ("cuda" or "cpu")."""
     sp, world = cfg.speculative, cfg.parallel.world_size
-    n, tp = sp.draft_workers, sp.draft_tensor
+    tp = sp.draft_tensor
+    n = sp.draft_workers + int(sp.calibration.enabled)  # online calibration: the calibrator's own device
     total = ray.cluster_resources()
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     gpus = total.get("GPU", 0)
@@ -72,8 +74,9 @@ def check_drafter_resources(cfg, ray) -> str:
     have = int(total.get(key, 0))
     if have < n + beside:
         raise ConfigError(
-            f"speculative.draft_workers: got {n}; the drafters need {n} {key} devices beside the target's "
-            f"{beside}, but the Ray cluster has {have}; lower speculative.draft_workers or add nodes"
+            f"speculative.draft_workers: got {sp.draft_workers}; the drafters (and a calibrator with "
+            f"speculative.calibration.enabled) need {n} {key} devices beside the target's {beside}, but the Ray "
+            f"cluster has {have}; lower speculative.draft_workers, turn calibration off or add nodes"
         )
     if max((int(node.get(key, 0)) for node in nodes), default=0) < tp:
         raise ConfigError(
@@ -101,6 +104,7 @@ class RayDrafterGroup:
         self.timeout_s = timeout_s
         n, tp = cfg.speculative.draft_workers, cfg.speculative.draft_tensor
         self.actors, self.placement_groups, self.groups, self.reports, self.names = [], [], [], [], []
+        self.calibrator = None
         device = check_drafter_resources(cfg, ray)
         bundle = {"GPU": 1} if device == "cuda" else {"CPU": 1}
         threads = cfg.parallel.threads_per_worker or 1
@@ -119,6 +123,16 @@ class RayDrafterGroup:
                     "or add nodes"
                 )
             self.names = [f"dspark-drafter-{tag}-{rank}" for rank in range(n)]
+            calibrator_name = None
+            if cfg.speculative.calibration.enabled:  # the drafter group's trainer, on a device of its own
+                from actors.calibrator import Calibrator
+
+                calibrator_name = f"dspark-calibrator-{tag}"
+                gpus = ray.cluster_resources().get("GPU", 0)
+                cal_device = "cuda" if device == "cuda" and gpus >= cfg.parallel.world_size + n + 1 else "cpu"
+                self.calibrator = ray.remote(Calibrator).options(
+                    name=calibrator_name, max_concurrency=4, num_cpus=1 if cal_device == "cpu" else 0,
+                    num_gpus=1 if cal_device == "cuda" else 0).remote(cfg.to_dict(), cal_device, threads)
             # a DSpark drafter also takes context rows from the target's workers while a proposal waits for them
             concurrency = 2 if cfg.speculative.method == "dspark" else 1
             for rank in range(n):
@@ -128,11 +142,14 @@ class RayDrafterGroup:
                     num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_groups[rank // tp], placement_group_bundle_index=rank % tp),
-                ).remote(cfg.to_dict(), device, threads, rank, n))
+                ).remote(cfg.to_dict(), device, threads, rank, n, calibrator_name))
             self.groups = [self.actors[g * tp : (g + 1) * tp] for g in range(n // tp)]
+            self._versions = [0] * len(self.groups)  # the drafter version each group serves
             # the drafters' own rendezvous, on drafter rank 0's node (the target's world has another)
             addr, port = self._gather([self.actors[0].node_address.remote()], startup_timeout_s)[0]
             self.reports = self._gather([a.setup.remote(addr, port) for a in self.actors], startup_timeout_s)
+            if self.calibrator is not None:
+                self._gather([self.calibrator.ready.remote()], startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -167,15 +184,20 @@ class RayDrafterGroup:
             parts[key(item) % len(self.groups)].append(item)
         return parts
 
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+    def propose(self, requests: list[DraftRequest], version: int = 0) -> list[Proposal]:
+        """version: the drafter version every rank serves with from this call on (a publish or a
+        rollback takes effect for the whole group at the same step)."""
         ray = self._ray
         refs, leaders = [], []
-        for group, part in zip(self.groups, self._split(requests, lambda r: r.seq_id)):
+        for g, (group, part) in enumerate(zip(self.groups, self._split(requests, lambda r: r.seq_id))):
             if part:
                 arg = ray.put(part)  # serialised once for the whole group
-                group_refs = [a.propose.remote(arg) for a in group]
+                group_refs = [a.propose.remote(arg, version) for a in group]
                 leaders.append((part, group_refs[0]))
                 refs += group_refs
+            elif self._versions[g] != version:  # a new version reaches every group at the same step
+                refs += [a.propose.remote([], version) for a in group]
+            self._versions[g] = version
         # every rank's answer is awaited, not only rank 0's, so that a failed rank is seen at once
         self._gather(refs, self.timeout_s)
         by_id = {}
@@ -192,16 +214,26 @@ class RayDrafterGroup:
                 for a in group:
                     a.prefill.remote(arg)
 
-    def free(self, seq_ids) -> None:
+    def free(self, seq_ids, reasons=None) -> None:
         for group, part in zip(self.groups, self._split(seq_ids, lambda s: s)):
             if part:
+                why = None if reasons is None else {sid: reasons.get(sid) for sid in part}
                 for a in group:
-                    a.free.remote(part)
+                    a.free.remote(part, why)
+
+    def stage(self, version: int, state_ref, keep) -> list:
+        """Send a version's weights (one object, fetched by every drafter) to be held; the refs
+        are ready when every drafter holds it."""
+        return [a.stage.remote(version, state_ref, tuple(keep)) for a in self.actors]
 
     def comm_stats(self) -> list[dict]:
         return self._gather([a.comm_stats.remote() for a in self.actors], self.timeout_s)
 
     def shutdown(self) -> None:
+        if self.calibrator is not None:
+            with contextlib.suppress(Exception):
+                self._ray.kill(self.calibrator, no_restart=True)
+            self.calibrator = None
         for a in self.actors:
             with contextlib.suppress(Exception):  # already dead
                 self._ray.kill(a, no_restart=True)
@@ -227,10 +259,19 @@ class Drafter:
             from .dspark_model import DSparkConfig
 
             self._export_layers = tuple(DSparkConfig.load(Path(cfg.speculative.draft_model) / "config.json").target_layer_ids)
+        # online calibration: versions (engine side); in process also the calibrator and its thread
+        cc = cfg.speculative.calibration
+        self.versions = DrafterVersions(cc.window_rounds, cc.rollback_margin) if cc.enabled else None
+        self.available = {0}  # versions every drafter holds (rollback targets)
+        self.calibrator = self._loop = None
+        self._cand_ref, self._cand_t, self._staging = None, 0.0, None
         if cfg.parallel.executor == "ray":
             self.backend = RayDrafterGroup(cfg)
         else:
             self.backend = make_proposer(cfg, target_spec, device)
+            if cc.enabled:
+                self.calibrator = Calibrator(cfg, target_spec, device)
+                self._loop = CalibrationLoop(self.calibrator, cc.interval_s)
 
     @property
     def alive(self) -> bool:
@@ -257,14 +298,141 @@ class Drafter:
                         type(e).__name__, e)
             self._drop()
 
-    def poll(self) -> bool:
+    def poll(self, step: int = 0) -> bool:
         """Between steps: True when a drafter group restarted in the background has just taken over
-        (its KV is empty: each sequence's tokens are fed again at its next proposal)."""
-        if self._restarted is None:
-            return False
-        self.backend, self._restarted = self._restarted, None
-        log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
-        return True
+        (its KV is empty: each sequence's tokens are fed again at its next proposal). With online
+        calibration, also moves a calibrated candidate on: staged on every drafter, then published
+        (the next proposals use it)."""
+        restarted = False
+        if self._restarted is not None:
+            self.backend, self._restarted = self._restarted, None
+            log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
+            restarted = True
+            if self.versions is not None:  # the new group holds the original weights only
+                self._cand_ref = self._staging = None
+                self.available = {0}
+                if self.versions.serving != 0:
+                    self.versions.switch(0, "drafter restart", step)
+        if self.versions is not None and self.backend is not None:
+            try:
+                self._calibration_poll(step)
+            except Exception as e:  # noqa: BLE001 -- a calibration failure leaves the serving version as it is
+                log.warning("drafter calibration: a candidate could not be published (%s: %s)", type(e).__name__, e)
+                self._staging = self._cand_ref = None
+                self._tell_calibrator(self.versions.serving)
+        return restarted
+
+    # ---- online calibration ----------------------------------------------------------------------
+    def _keep(self, version: int) -> set:
+        """Versions the drafters hold: the original, the serving one and the newest keep_versions."""
+        newest = sorted(v for v in self.available | {version} if v)[-self.cfg.speculative.calibration.keep_versions:]
+        return {0, self.versions.serving, *newest}
+
+    def _tell_calibrator(self, version: int) -> None:
+        if self.calibrator is not None:
+            self.calibrator.set_serving(version)
+        elif isinstance(self.backend, RayDrafterGroup) and self.backend.calibrator is not None:
+            self.backend.calibrator.set_serving.remote(version)
+
+    def _publish(self, version: int, meta: dict, step: int) -> None:
+        self.available = self._keep(version)
+        self.versions.switch(version, "publish", step, meta)
+        self._tell_calibrator(version)
+        log.info("drafter version %d published (shadow tau %s)", version, (meta.get("shadow") or {}).get("tau"))
+
+    def _calibration_poll(self, step: int) -> None:
+        if self.versions.pinned:  # a manual rollback holds its version (the calibrator keeps learning)
+            return
+        if self.calibrator is not None:  # in process
+            cand = self.calibrator.take_candidate()
+            if cand is not None:
+                self.backend.stage(cand.version, cand.state, self._keep(cand.version))
+                self._publish(cand.version, cand.meta, step)
+            return
+        group = self.backend
+        if not isinstance(group, RayDrafterGroup) or group.calibrator is None:
+            return
+        ray = group._ray
+        if self._staging is not None:  # every drafter fetching the weights, off the step's path
+            version, meta, refs, t0 = self._staging
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                ray.get(refs)  # raises if a drafter could not stage it
+                self._staging = None
+                self._publish(version, meta, step)
+            elif time.monotonic() - t0 > group.timeout_s:
+                raise TimeoutError(f"drafters did not stage version {version} within {group.timeout_s:.0f} s")
+            return
+        if self._cand_ref is None:
+            if time.monotonic() - self._cand_t >= 1.0:  # ask the calibrator at most once a second
+                self._cand_t = time.monotonic()
+                self._cand_ref = group.calibrator.take_candidate.remote()
+            return
+        ready, _ = ray.wait([self._cand_ref], timeout=0)
+        if not ready:
+            return
+        ref, self._cand_ref = self._cand_ref, None
+        got = ray.get(ref)
+        if got is not None:
+            version, meta, state_ref = got
+            self._staging = (version, meta, group.stage(version, state_ref, self._keep(version)), time.monotonic())
+
+    def observe_rounds(self, tokens_per_round: list, drafts_per_round: list, step: int = 0) -> None:
+        """Verify rounds' tokens (accepted + 1) and drafts verified under the serving version: live
+        tau and acceptance, and the automatic rollback when a new version does worse than its
+        predecessor by the margin."""
+        if self.versions is None or not tokens_per_round:
+            return
+        back = self.versions.observe(tokens_per_round, drafts_per_round)
+        if back is not None:
+            bad = self.versions.serving
+            self.versions.switch(back, "auto rollback", step)
+            self._tell_calibrator(back)
+            log.warning("drafter version %d rolled back to %d: live tau fell below its predecessor's by more than "
+                        "%.0f%%", bad, back, 100 * self.cfg.speculative.calibration.rollback_margin)
+
+    def rollback(self, version: Optional[int] = None, step: int = 0) -> dict:
+        """Serve `version` (None: the original weights) from the next step, and hold it: no
+        calibrated version publishes until resume(). Raises RequestError when no drafter holds it."""
+        from ..errors import RequestError
+
+        if self.versions is None:
+            raise RequestError("version: the drafter has no versions; set speculative.calibration.enabled to calibrate it online")
+        target = 0 if version is None else version
+        if target not in self.available:
+            raise RequestError(f"version: got {version}; the drafters hold versions {sorted(self.available)} "
+                               "(None: the original weights)")
+        if target != self.versions.serving:
+            self.versions.switch(target, "manual rollback", step)
+            self._tell_calibrator(target)
+        self.versions.pinned = True
+        if self._staging is not None:  # a version on its way out to the drafters is not published
+            self._staging = None
+        return self.status()
+
+    def resume(self) -> dict:
+        """Let calibrated versions publish again after a manual rollback."""
+        from ..errors import RequestError
+
+        if self.versions is None:
+            raise RequestError("the drafter has no versions; set speculative.calibration.enabled to calibrate it online")
+        self.versions.pinned = False
+        return self.status()
+
+    def status(self) -> dict:
+        """The serving version, the history (version, time, rounds trained on, shadow score, live
+        tau), the versions held, and the calibrator's buffer and updates."""
+        if self.versions is None:
+            return {"calibration": False, "serving_version": 0}
+        out = {"calibration": True, **self.versions.status(), "available_versions": sorted(self.available)}
+        try:
+            if self.calibrator is not None:
+                out["calibrator"] = self.calibrator.status()
+            elif isinstance(self.backend, RayDrafterGroup) and self.backend.calibrator is not None:
+                out["calibrator"] = self.backend._ray.get(self.backend.calibrator.status.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001 -- the status says so rather than failing
+            out["calibrator"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
 
     def _restart_in_background(self) -> None:
         """A lost Ray drafter group is replaced off the step's path, up to parallel.max_restarts
@@ -296,6 +464,11 @@ class Drafter:
             return [Proposal([]) for _ in requests]
         t0 = time.perf_counter()
         try:
+            if self.versions is None:
+                return self.backend.propose(requests)
+            if isinstance(self.backend, RayDrafterGroup):
+                return self.backend.propose(requests, self.versions.serving)
+            self.backend.use(self.versions.serving)  # in process: switch here, at the step boundary
             return self.backend.propose(requests)
         except Exception as e:  # noqa: BLE001 - any drafter failure degrades to plain decoding
             self.stats.failures += 1
@@ -315,10 +488,16 @@ class Drafter:
             except Exception:  # noqa: BLE001
                 self._drop()
 
-    def free(self, seq_ids) -> None:
+    def free(self, seq_ids, reasons: Optional[dict] = None) -> None:
+        """reasons: seq_id -> finish reason (online calibration keeps no rounds of failed or aborted requests)."""
         if self.backend is not None and seq_ids:
             try:
-                self.backend.free(seq_ids)
+                if self.versions is None:
+                    self.backend.free(seq_ids)
+                    return
+                self.backend.free(seq_ids, reasons or {})
+                if self.calibrator is not None:  # in process (drafter actors send theirs to the calibrator actor)
+                    self.calibrator.add(self.backend.take_samples())
             except Exception:  # noqa: BLE001
                 self._drop()
 
@@ -334,6 +513,8 @@ class Drafter:
 
     def shutdown(self) -> None:
         self._closed = True
+        if self._loop is not None:
+            self._loop.stop()
         self._drop()
         if self._restarting is not None:
             self._restarting.join(timeout=60)

@@ -159,6 +159,11 @@ class DSparkDrafter(nn.Module):
         self.lm_head.copy_(lm_head)
         self._w1 = self._w2 = None
 
+    def load_trained(self, state: dict) -> None:
+        """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
+        self.load_state_dict(state, strict=True)
+        self._w1 = self._w2 = None
+
     # ---- pieces shared by training and serving ----------------------------------------------
     def fuse(self, target_hidden):
         """target_hidden [..., n_layers * H_target] -> fused context [..., d]."""
@@ -225,6 +230,27 @@ class DSparkDrafter(nn.Module):
             x = layer(x, qpos, ck, cv, mask)
         hn, base = self.head(x.view(B, A, S, -1))
         prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
+        w1, w2 = self.markov_factors()
+        e, bias = self.markov_bias(prev, w1, w2)
+        return base + bias, self.confidence_logit(hn, e)
+
+
+    # ---- online calibration: one block per verify round, each with its own context -----------
+    def forward_rounds(self, target_hidden, ctx_pos, ctx_valid, anchors, anchor_pos, prev):
+        """The serving computation (block_forward + the Markov head) for R recorded rounds, with
+        gradients. target_hidden [R, C, n_layers * H_target] context rows (padded), ctx_pos [R, C]
+        their positions, ctx_valid [R, C] bool; anchors [R] token ids at anchor_pos [R]; prev [R, S]
+        the token before each slot (slot 0: the anchor; slot j: draft j). Returns (z [R, S, V]
+        Markov-corrected logits, confidence logits [R, S] or None)."""
+        R, S = anchors.shape[0], self.c.block_size
+        ctx = self.fuse(target_hidden)
+        x = self.block_input(anchors, S)
+        qpos = anchor_pos[:, None] + torch.arange(S, device=anchors.device)
+        mask = torch.cat([ctx_valid[:, None, :].expand(R, S, -1), ctx_valid.new_ones(R, S, S)], dim=2)
+        for layer in self.layers:
+            ck, cv = layer.context_kv(ctx, ctx_pos)
+            x = layer(x, qpos, ck, cv, mask)
+        hn, base = self.head(x)
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2)
         return base + bias, self.confidence_logit(hn, e)

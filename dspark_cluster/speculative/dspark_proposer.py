@@ -21,6 +21,7 @@ import torch
 from ..errors import ConfigError
 from ..sampling import filter_logits
 from .spec_decode import Proposal, _generator
+from .calibration import RoundRecords, SequenceSample
 from .context import ContextRows
 from .dspark_model import DSparkConfig, load_drafter, tensor_fingerprint
 
@@ -39,6 +40,10 @@ class _Context:
     length: int = 0  # positions 0 .. length-1 are in k / v or raw
     pending: dict = field(default_factory=dict)  # start -> rows, past a gap
     lost: bool = False  # rows went missing (e.g. the drafter restarted mid-sequence): no drafts
+    # online calibration: every row received (fp16; a new drafter version recomputes keys/values
+    # from them) and the sequence's recorded verify rounds
+    kept: list = field(default_factory=list)  # (start, rows)
+    rounds: list = field(default_factory=list)  # RoundRecords
 
 
 def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +84,7 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 
 class DSparkProposer:
-    def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4):
+    def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False):
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
         embed, lm_head = target_tables(target_path, target_spec)
@@ -98,6 +103,12 @@ class DSparkProposer:
         self._freed: set = set()
         self.ingested_rows = 0
         self.misses = 0  # proposals skipped because the context was not there (yet)
+        # online calibration: keep each sequence's rows and rounds, hand finished ones on as samples
+        self.calibrate = calibrate
+        self.samples: list[SequenceSample] = []
+        self.version = 0
+        self.staged: dict[int, dict] = {0: {k: v.detach().clone() for k, v in self.model.state_dict().items()}} \
+            if calibrate else {}
 
     # ---- context ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -117,12 +128,21 @@ class DSparkProposer:
             while st.length in st.pending:
                 self._append(st, st.length, st.pending.pop(st.length))
             self.ingested_rows += hidden.shape[0]
+        if self.calibrate and rows.rounds is not None:
+            r = rows.rounds
+            for sid in r.seq_ids.unique().tolist():
+                st = self.ctx.get(sid)
+                if st is not None and not st.lost:
+                    st.rounds.append(r.select(r.seq_ids == sid))
 
     def _append(self, st: _Context, start: int, hidden) -> None:
         """Take rows at positions start.. (dropping anything after: a recompute rewrites history)."""
         if start < st.length:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
             st.kv_length = min(st.kv_length, start)
+            st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
+        if self.calibrate:
+            st.kept.append((start, hidden.to(torch.float16)))
         # a view of the step's rows (no copy per sequence per step): it keeps that step's tensor alive
         # until every sequence in it has drafted or ended, at most the rows the live sequences own
         st.raw.append((start, hidden))
@@ -166,19 +186,50 @@ class DSparkProposer:
     def prefill(self, requests) -> None:
         pass  # the context comes from the target's prefill
 
-    def free(self, seq_ids) -> None:
+    def free(self, seq_ids, reasons=None) -> None:
+        """reasons: seq_id -> how the request ended (online calibration filters on it)."""
         for sid in seq_ids:
-            self.ctx.pop(sid, None)
+            st = self.ctx.pop(sid, None)
+            if self.calibrate and st is not None and st.rounds and not st.lost:
+                rows = torch.cat([h for _, h in st.kept]) if st.kept else torch.zeros(0, 1, dtype=torch.float16)
+                self.samples.append(SequenceSample(sid, rows, RoundRecords.cat(st.rounds),
+                                                   (reasons or {}).get(sid)))
             if len(self._freed_order) == self._freed_order.maxlen:
                 self._freed.discard(self._freed_order[0])
             self._freed_order.append(sid)
             self._freed.add(sid)
+
+    def take_samples(self) -> list[SequenceSample]:
+        out, self.samples = self.samples, []
+        return out
+
+    # ---- versions (online calibration) ---------------------------------------------------------
+    def stage(self, version: int, state: dict, keep) -> None:
+        """Hold a calibrated version's weights, ready to switch to; keep only the versions in `keep`
+        (and this one, and the serving one)."""
+        self.staged[version] = {k: v.to(self.device) for k, v in state.items()}
+        for v in [v for v in self.staged if v not in set(keep) | {version, self.version}]:
+            self.staged.pop(v)
+
+    def use(self, version: int) -> None:
+        """Serve with another staged version from now on: every sequence's context keys/values are
+        recomputed from its kept rows, with the new weights, at its next proposal."""
+        if version == self.version:
+            return
+        if version not in self.staged:
+            raise KeyError(f"drafter version {version} is not staged here (staged: {sorted(self.staged)})")
+        self.model.load_trained(self.staged[version])
+        self.version = version
+        for st in self.ctx.values():
+            st.k, st.v, st.kv_length = [], [], 0
+            st.raw = list(st.kept)
 
     def memory_report(self) -> dict:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
         ctx = sum(t.numel() * t.element_size() for st in self.ctx.values() for t in st.k + st.v)
         ctx += sum(h.numel() * h.element_size() for st in self.ctx.values() for _, h in st.raw)
+        ctx += sum(h.numel() * h.element_size() for st in self.ctx.values() for _, h in st.kept)
         return {"param_bytes": params, "shared_table_bytes": tables, "context_kv_bytes": ctx, "bytes_read": params}
 
     def block_forward(self, requests):

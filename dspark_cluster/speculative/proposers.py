@@ -230,5 +230,6 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
     if sp.method == "dspark":
         from .dspark_proposer import DSparkProposer
 
-        return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens)
+        return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens,
+                              calibrate=sp.calibration.enabled)
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")

@@ -251,6 +251,14 @@ class VerifyPlanner:
         if (self._since_fit >= self.refit_every or not self.fitted) and len(self.window) >= self.min_rounds:
             self.refit()  # the first fit as soon as there is enough, then every refit_every rounds
 
+    def drafter_changed(self) -> None:
+        """Another drafter version serves: its confidences are calibrated afresh from its own rounds
+        (the temperatures in force stay until then)."""
+        self.window.clear()
+        self.fitted = False
+        self._since_fit = 0
+        self._memo.clear()
+
     def refit(self) -> None:
         conf, ver, acc = self._arrays()
         self._rates = self._position_rates(ver, acc)

@@ -1,0 +1,53 @@
+"""Calibrator: the drafter group's Ray actor that distils the DSpark drafter online, on its own
+device. A thin shell over the core's `Calibrator` and `CalibrationLoop`: drafters send it finished
+sequences' rounds (`add`, fire and forget), its loop trains at most once per interval, and the
+Router takes a winning candidate (`take_candidate`: its weights go through the object store once,
+to every drafter) and tells it which version serves (`set_serving`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class Calibrator:
+    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        torch.set_num_threads(threads)
+        from dspark_cluster.config import load_config
+        from dspark_cluster.model.spec import load_spec
+        from dspark_cluster.speculative.calibration import CalibrationLoop, Calibrator as CoreCalibrator
+
+        self.cfg = load_config(cfg)
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
+        self.core = CoreCalibrator(self.cfg, load_spec(self.cfg.model.path, self.cfg.model.dtype), dev)
+        self.loop = CalibrationLoop(self.core, self.cfg.speculative.calibration.interval_s)
+
+    def ready(self) -> bool:
+        return True
+
+    def add(self, samples) -> None:
+        self.core.add(samples)
+
+    def take_candidate(self):
+        """None, or (version, meta, a reference to its weights in the object store)."""
+        import ray
+
+        c = self.core.take_candidate()
+        return None if c is None else (c.version, c.meta, ray.put(c.state))
+
+    def set_serving(self, version: int) -> None:
+        self.core.set_serving(version)
+
+    def status(self) -> dict:
+        return self.core.status()
+
+    def updates_log(self) -> list:
+        return self.core.updates_log()
+
+    def kick(self) -> None:
+        self.loop.kick()
+
+    def shutdown(self) -> None:
+        self.loop.stop()

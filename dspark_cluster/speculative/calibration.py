@@ -1,0 +1,642 @@
+"""Online calibration of the DSpark drafter on live verification rounds (OSD, Liu et al. 2024, for
+a block drafter), asynchronous, with a shadow evaluation before publishing and rollback after.
+
+Data path:
+- the target's driver rank records each verify round of a request that lets it (`record_rounds`,
+  in `execute_step`): the anchor, the drafts, what the round committed and the target's top-k
+  log-probabilities at the verified positions (never the full vocabulary), and sends them with the
+  step's context rows to the drafter that owns the sequence;
+- that drafter keeps the sequence's rows and rounds until it ends, then hands one `SequenceSample`
+  to the calibrator, whose `filter_sample` keeps what would not teach the drafter wrong;
+- the calibrator (`Calibrator`, on its own device: a Ray actor, or a thread in process) distils a
+  copy of the drafter on the `ReplayBuffer` with DeepSpeed, scores the candidate against the serving
+  version on held-back sequences (`shadow_scores`) and offers it when it wins by a margin;
+- the engine's `DrafterVersions` switches every drafter to it at a step boundary, watches live tau
+  by version and rolls back. Verification stays lossless whatever the drafter does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FINISH_DROPPED = {"error": "request_error", "abort": "request_aborted"}
+REPEAT_WINDOW = 16  # committed tokens looked at for a degenerate repeat
+MAX_CONTEXT = 512  # context rows a training round reads (the latest; positions stay absolute)
+
+
+# ---------------------------------------------------------------------------------------- records
+
+@dataclass
+class RoundRecords:
+    """R verify rounds of one step. K: most drafts of a round in the step; k: top_logprobs.
+    Verify position j (0 .. num_draft) holds the target's law of the token after the anchor's j-th
+    successor, i.e. what drafter slot j proposes, given the drafts before it."""
+
+    seq_ids: torch.Tensor  # [R] long
+    anchor_pos: torch.Tensor  # [R] long, the anchor's position (= context rows the drafter read)
+    anchor: torch.Tensor  # [R] long, the last committed token before the drafts
+    draft_tokens: torch.Tensor  # [R, K] long
+    num_draft: torch.Tensor  # [R] long, drafts verified
+    out_tokens: torch.Tensor  # [R, K+1] long, what the round committed: accepted drafts, then the target's token
+    num_tokens: torch.Tensor  # [R] long (accepted + 1)
+    greedy: torch.Tensor  # [R] bool
+    topk_ids: torch.Tensor  # [R, K+1, k] long, the target's top-k tokens (temperature 1) per verify position
+    topk_logprobs: torch.Tensor  # [R, K+1, k] float32
+    entropy: torch.Tensor  # [R, K+1] float32, the target's entropy (nats) per verify position
+
+    def __len__(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    def select(self, idx) -> "RoundRecords":
+        return RoundRecords(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).numel() * getattr(self, f.name).element_size() for f in fields(self))
+
+    @staticmethod
+    def cat(parts: list["RoundRecords"]) -> "RoundRecords":
+        """Rounds of several steps (K may differ: padded to the largest)."""
+        K = max(p.draft_tokens.shape[1] for p in parts)
+
+        def pad(t, dim_len, dim):
+            if t.shape[dim] == dim_len:
+                return t
+            shape = list(t.shape)
+            shape[dim] = dim_len - t.shape[dim]
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+        out = {}
+        for f in fields(RoundRecords):
+            ts = [getattr(p, f.name) for p in parts]
+            if f.name == "draft_tokens":
+                ts = [pad(t, K, 1) for t in ts]
+            elif f.name in ("out_tokens", "topk_ids", "topk_logprobs", "entropy"):
+                ts = [pad(t, K + 1, 1) for t in ts]
+            out[f.name] = torch.cat(ts)
+        return RoundRecords(**out)
+
+
+def record_rounds(logits, draft_tokens, num_draft, out_tokens, num_tokens, temperature, anchor, anchor_pos,
+                  seq_ids, top_logprobs: int) -> RoundRecords:
+    """On the driver rank, after verification: logits [R, K+1, V] the target's raw logits at each
+    round's verify positions (rows past num_draft are padding), the other arguments [R] / [R, K]
+    as in `RoundRecords`. The law is the target's own (temperature 1): the drafter applies each
+    request's temperature itself when it serves."""
+    logp = logits.float().log_softmax(-1)
+    entropy = -(logp.exp() * logp).nan_to_num(0.0).sum(-1)
+    top = logp.topk(min(top_logprobs, logp.shape[-1]), dim=-1)
+    return RoundRecords(seq_ids=seq_ids.long().cpu(), anchor_pos=anchor_pos.long().cpu(), anchor=anchor.long().cpu(),
+                        draft_tokens=draft_tokens.long().cpu(), num_draft=num_draft.long().cpu(),
+                        out_tokens=out_tokens.long().cpu(), num_tokens=num_tokens.long().cpu(),
+                        greedy=(temperature == 0).cpu(), topk_ids=top.indices.cpu(),
+                        topk_logprobs=top.values.float().cpu(), entropy=entropy.float().cpu())
+
+
+@dataclass
+class SequenceSample:
+    """What one finished sequence gives the calibrator: its context rows (fp16, the target's exported
+    states of tokens 0 .. L-1) and its recorded rounds."""
+
+    seq_id: int
+    rows: torch.Tensor  # [L, n_layers * H_target] float16
+    rounds: RoundRecords
+    finish_reason: Optional[str]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size() + self.rounds.nbytes
+
+
+# ---------------------------------------------------------------------------------------- filter
+
+def filter_sample(sample: SequenceSample, vocab_size: int, max_entropy_share: float = 0.85,
+                  tail_mass: float = 0.99) -> tuple[Optional[RoundRecords], Counter]:
+    """Keep the rounds that would not teach the drafter wrong; count the others by reason.
+
+    Dropped: every round of a request that ended in an error or was aborted; rounds whose context
+    rows are missing; rounds inside a degenerate repeat (the last REPEAT_WINDOW committed tokens
+    hold at most 2 distinct ids); rounds where the target's mean entropy over the verified positions
+    exceeds max_entropy_share x ln V (it does not know: nothing to learn) or is not finite; and
+    rounds whose recorded law contradicts what the target itself committed (a greedy round's token
+    is not the law's top-1; a sampled round's token is outside the top-k while the top-k holds
+    tail_mass of the law; top-k probabilities summing past 1): a corrupted or wrong law."""
+    r = sample.rounds
+    R = len(r)
+    dropped = Counter()
+    if R == 0:
+        return None, dropped
+    reason = FINISH_DROPPED.get(sample.finish_reason or "")
+    if reason is not None:
+        dropped[reason] = R
+        return None, dropped
+    keep = torch.ones(R, dtype=torch.bool)
+    why = [None] * R
+
+    def drop(mask, name):
+        for i in torch.nonzero(mask & keep).flatten().tolist():
+            why[i] = name
+        keep.logical_and_(~mask)
+
+    drop(r.anchor_pos > sample.rows.shape[0], "missing_context")
+    # law checks, over each round's verified positions 0 .. num_draft
+    K1 = r.topk_ids.shape[1]
+    j = torch.arange(K1)
+    verified = j[None, :] <= r.num_draft[:, None]
+    lse = torch.logsumexp(r.topk_logprobs, dim=-1)  # [R, K+1] log of the top-k mass
+    finite = torch.isfinite(r.topk_logprobs).all(-1) & torch.isfinite(r.entropy)
+    drop(~(finite | ~verified).all(1) | ((lse > 1e-3) & verified).any(1), "invalid_law")
+    ent = (r.entropy.nan_to_num(0.0) * verified).sum(1) / verified.sum(1)
+    drop(ent > max_entropy_share * math.log(vocab_size), "extreme_entropy")
+    committed = j[None, :] < r.num_tokens[:, None]  # positions whose next token the round committed
+    tok = r.out_tokens[:, :K1]
+    in_top = (r.topk_ids == tok[..., None]).any(-1)
+    top1 = r.topk_ids[..., 0] == tok
+    bad = torch.where(r.greedy[:, None], ~top1, ~in_top & (lse.exp() >= tail_mass))
+    drop((bad & committed).any(1), "inconsistent_law")
+    # degenerate repeats: the committed tokens of the rounds in order, each round judged on the window before it
+    order = torch.argsort(r.anchor_pos).tolist()
+    recent: deque = deque(maxlen=REPEAT_WINDOW)
+    for i in order:
+        recent.append(int(r.anchor[i]))
+        recent.extend(r.out_tokens[i, : int(r.num_tokens[i])].tolist())
+        if len(recent) == REPEAT_WINDOW and len(set(recent)) <= 2:
+            drop(torch.arange(R) == i, "degenerate_repeat")
+    dropped.update(w for w in why if w is not None)
+    return (r.select(keep) if bool(keep.any()) else None), dropped
+
+
+# ---------------------------------------------------------------------------------------- buffer
+
+class ReplayBuffer:
+    """Kept rounds with their sequences' context rows, bounded by `max_rounds` (the oldest sequences
+    go first). A share `holdout` of the sequences (by id, stable) is held back for shadow evaluation."""
+
+    def __init__(self, max_rounds: int, holdout: float, seed: int = 0, max_entropy_share: float = 0.85):
+        self.max_rounds, self.holdout, self.max_entropy_share = max_rounds, holdout, max_entropy_share
+        self.samples: deque = deque()  # (SequenceSample with kept rounds only, held_out)
+        self.num_rounds = 0
+        self.total_in = self.total_kept = 0  # rounds offered / kept, over the run
+        self.dropped: Counter = Counter()
+        self.evicted = 0
+        self._salt = seed * 7919 + 17
+
+    def held_out(self, seq_id: int) -> bool:
+        return random.Random(seq_id * 1_000_003 + self._salt).random() < self.holdout
+
+    def add(self, sample: SequenceSample, vocab_size: int) -> None:
+        kept, dropped = filter_sample(sample, vocab_size, self.max_entropy_share)
+        self.total_in += len(sample.rounds)
+        self.dropped.update(dropped)
+        if kept is None:
+            return
+        self.total_kept += len(kept)
+        # rows past the last kept round's context are never read
+        rows = sample.rows[: int(kept.anchor_pos.max())].clone()
+        self.samples.append((SequenceSample(sample.seq_id, rows, kept, sample.finish_reason), self.held_out(sample.seq_id)))
+        self.num_rounds += len(kept)
+        while self.num_rounds > self.max_rounds and len(self.samples) > 1:
+            old, _ = self.samples.popleft()
+            self.num_rounds -= len(old.rounds)
+            self.evicted += len(old.rounds)
+
+    def rounds(self, held_out: bool) -> list[tuple[SequenceSample, int]]:
+        return [(s, i) for s, h in list(self.samples) if h == held_out for i in range(len(s.rounds))]
+
+    def state(self) -> dict:
+        train = sum(len(s.rounds) for s, h in self.samples if not h)
+        return {"rounds": self.num_rounds, "train_rounds": train, "holdout_rounds": self.num_rounds - train,
+                "sequences": len(self.samples), "capacity_rounds": self.max_rounds,
+                "bytes": sum(s.nbytes for s, _ in self.samples), "rounds_offered": self.total_in,
+                "rounds_kept": self.total_kept, "dropped": dict(self.dropped), "evicted": self.evicted}
+
+
+def collate(items: list[tuple[SequenceSample, int]], block_size: int, device) -> dict:
+    """Rounds -> the padded tensors `DSparkDrafter.forward_rounds` and `round_losses` take."""
+    R = len(items)
+    ctx = [s.rows[max(0, int(s.rounds.anchor_pos[i]) - MAX_CONTEXT) : int(s.rounds.anchor_pos[i])] for s, i in items]
+    starts = [max(0, int(s.rounds.anchor_pos[i]) - MAX_CONTEXT) for s, i in items]
+    C = max(1, max(c.shape[0] for c in ctx))
+    F = items[0][0].rows.shape[1]
+    hidden = torch.zeros(R, C, F)
+    pos = torch.zeros(R, C, dtype=torch.long)
+    valid = torch.zeros(R, C, dtype=torch.bool)
+    for b, (c, s0) in enumerate(zip(ctx, starts)):
+        n = c.shape[0]
+        hidden[b, :n] = c.float()
+        pos[b, :n] = torch.arange(s0, s0 + n)
+        valid[b, :n] = True
+    rec = RoundRecords.cat([s.rounds.select([i]) for s, i in items])
+    S = block_size
+    K1 = rec.topk_ids.shape[1]
+    # slot j's previous token: the anchor, then the drafts (what the Markov head read when serving)
+    prev = torch.cat([rec.anchor[:, None], rec.draft_tokens], dim=1)
+    prev = torch.cat([prev, prev.new_zeros(R, max(0, S - prev.shape[1]))], dim=1)[:, :S]
+    P = min(S, K1)
+    j = torch.arange(P)
+    verified = j[None, :] <= rec.num_draft[:, None]
+    out = {"hidden": hidden, "ctx_pos": pos, "ctx_valid": valid, "anchors": rec.anchor, "anchor_pos": rec.anchor_pos,
+           "prev": prev, "topk_ids": rec.topk_ids[:, :P], "topk_logprobs": rec.topk_logprobs[:, :P],
+           "verified": verified, "num_draft": rec.num_draft, "num_accepted": rec.num_tokens - 1,
+           "out_tokens": rec.out_tokens[:, :P], "committed": j[None, :] < rec.num_tokens[:, None]}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------- loss
+
+def topk_law_distances(z, topk_ids, topk_logprobs):
+    """Drafter logits z [..., V] against the target's top-k law (ids [..., k], log-probs [..., k]),
+    the rest of the target's mass one bucket. Returns (tv [...], kl(p || q) [...], q at the top-k
+    [..., k]). Exact when k = V."""
+    logq = z.float().log_softmax(-1)
+    logq_k = logq.gather(-1, topk_ids)
+    q_k, p_k = logq_k.exp(), topk_logprobs.exp()
+    q_rest = (1 - q_k.sum(-1)).clamp(min=0)
+    p_rest = (1 - p_k.sum(-1)).clamp(min=0)
+    tv = 0.5 * ((q_k - p_k).abs().sum(-1) + (q_rest - p_rest).abs())
+    kl = (p_k * (topk_logprobs - logq_k)).sum(-1) + p_rest * (torch.log(p_rest + 1e-12) - torch.log(q_rest + 1e-12))
+    return tv, kl, q_k
+
+
+def round_losses(z, conf, batch: dict, reject_weight: float, gamma: float = 4.0, ce_alpha: float = 0.1,
+                 l1_alpha: float = 0.9, conf_alpha: float = 1.0):
+    """DSpark's loss on recorded rounds: 0.1 CE on the committed tokens + 0.9 L1 (= 2 TV) toward the
+    target's top-k law + BCE of the confidence toward 1 - TV, weighted exp(-j / gamma) by slot and
+    (1 + reject_weight) at each round's first rejected position, where OSD puts its weight.
+    z [R, S, V], conf [R, S] or None. Returns (loss, metrics)."""
+    P = batch["topk_ids"].shape[1]
+    z = z[:, :P]
+    tv, _, _ = topk_law_distances(z, batch["topk_ids"], batch["topk_logprobs"])
+    j = torch.arange(P, device=z.device)
+    rejected = (j[None, :] == batch["num_accepted"][:, None]) & (batch["num_accepted"] < batch["num_draft"])[:, None]
+    w = batch["verified"].float() * torch.exp(-j.float() / gamma)[None, :] * (1 + reject_weight * rejected.float())
+    wsum = w.sum().clamp(min=1e-6)
+    ce = -z.float().log_softmax(-1).gather(-1, batch["out_tokens"][..., None]).squeeze(-1)
+    wc = w * batch["committed"].float()
+    loss = ce_alpha * (ce * wc).sum() / wc.sum().clamp(min=1e-6) + l1_alpha * 2 * (tv * w).sum() / wsum
+    metrics = {"tv": float((tv * w).sum().detach() / wsum)}
+    if conf is not None:
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(conf[:, :P].float(), (1 - tv).clamp(0, 1).detach(),
+                                                                   reduction="none")
+        loss = loss + conf_alpha * (bce * w).sum() / wsum
+        metrics["bce"] = float((bce * w).sum().detach() / wsum)
+    return loss, metrics
+
+
+@torch.no_grad()
+def shadow_scores(model, items: list, block_size: int, device, batch_rounds: int = 64) -> dict:
+    """What a drafter would have done on recorded rounds, with their verify lengths: `tau` the
+    expected tokens per round (1 + sum over the verified positions of the products of 1 - TV toward
+    the recorded laws), `tv` the mean TV per verified position, and `match` the share of committed
+    positions whose token is the drafter's top-1 (checked against what the target really produced,
+    so a wrong recorded law cannot raise it)."""
+    if not items:
+        return {"tau": float("nan"), "tv": float("nan"), "match": float("nan"), "rounds": 0}
+    was = model.training
+    model.eval()
+    tau = tv_sum = n_pos = match = n_commit = 0.0
+    for i in range(0, len(items), batch_rounds):
+        b = collate(items[i : i + batch_rounds], block_size, device)
+        z, _ = model.forward_rounds(b["hidden"], b["ctx_pos"], b["ctx_valid"], b["anchors"], b["anchor_pos"], b["prev"])
+        P = b["topk_ids"].shape[1]
+        tv, _, _ = topk_law_distances(z[:, :P], b["topk_ids"], b["topk_logprobs"])
+        ver = b["verified"].float()
+        # position j < num_draft is a draft; the survival chain runs over the drafts verified
+        draft = ver * (torch.arange(P, device=device)[None, :] < b["num_draft"][:, None]).float()
+        surv = torch.cumprod(torch.where(draft > 0, 1 - tv, torch.ones_like(tv)), dim=1) * draft
+        tau += float((1 + surv.sum(1)).sum())
+        tv_sum += float((tv * ver).sum())
+        n_pos += float(ver.sum())
+        com = b["committed"].float()
+        match += float(((z[:, :P].argmax(-1) == b["out_tokens"]).float() * com).sum())
+        n_commit += float(com.sum())
+    model.train(was)
+    return {"tau": tau / len(items), "tv": tv_sum / max(n_pos, 1), "match": match / max(n_commit, 1),
+            "rounds": len(items)}
+
+
+# ---------------------------------------------------------------------------------------- calibrator
+
+@dataclass
+class Candidate:
+    """A calibrated version offered for publishing: its trained weights (not the target's tables)."""
+
+    version: int
+    state: dict
+    meta: dict  # rounds_trained, steps, shadow (candidate's scores), serving_shadow, time
+
+
+class Calibrator:
+    """Distils a copy of the drafter on the replay buffer (DeepSpeed: optimiser step and states),
+    one update of `steps_per_update` steps at a time, and keeps a candidate that wins the shadow
+    evaluation for the engine to publish. Thread-safe: `add` and `status` may come from other
+    threads than `update`."""
+
+    def __init__(self, cfg, target_spec, device="cpu", seed: int = 0):
+        from pathlib import Path
+
+        from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter
+        from .dspark_proposer import target_tables
+
+        sp = cfg.speculative
+        self.cc = sp.calibration
+        self.device = torch.device(device)
+        embed, lm_head = target_tables(cfg.model.path, target_spec)
+        served = load_drafter(sp.draft_model, embed, lm_head, self.device)
+        self.c: DSparkConfig = served.c
+        self.vocab_size = self.c.vocab_size
+        self.model = DSparkDrafter(self.c).to(self.device)
+        self.model.set_target_tables(embed.float().to(self.device), lm_head.float().to(self.device))
+        self.model.load_trained(served.state_dict())
+        self.model.train()
+        self.versions: dict[int, dict] = {0: _cpu_state(served)}  # the original, and the last keep_versions made
+        self.serving = 0
+        self.next_version = 1
+        self.buffer = ReplayBuffer(self.cc.buffer_rounds, self.cc.holdout, seed, self.cc.max_entropy_share)
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._engine = None  # DeepSpeed's, made at the first update (importing DeepSpeed takes seconds)
+        self.pending: Optional[Candidate] = None
+        self.updates = self.steps = 0
+        self.rounds_trained = 0  # rounds the serving line of versions was trained on
+        self.history: list[dict] = []  # every update's outcome
+        self.last_error: Optional[str] = None
+        self._rounds_at_update = 0
+        self._offered, self._offered_t = None, 0.0  # a candidate taken, until the engine says what serves
+        self._path = Path(sp.draft_model)
+
+    # ---- data ---------------------------------------------------------------------------------
+    def add(self, samples: list[SequenceSample]) -> None:
+        with self._lock:
+            for s in samples:
+                self.buffer.add(s, self.vocab_size)
+
+    def ready(self) -> bool:
+        """Enough rounds for an update, and new ones since the last."""
+        with self._lock:
+            n, kept = self.buffer.num_rounds, self.buffer.total_kept
+        waiting = self.pending is not None or (self._offered is not None and time.monotonic() - self._offered_t < 120)
+        return n >= self.cc.min_rounds and kept > self._rounds_at_update and not waiting
+
+    # ---- versions -----------------------------------------------------------------------------
+    def set_serving(self, version: int) -> None:
+        """The engine published or rolled back to `version`: train on from its weights."""
+        with self._lock:
+            self._offered = None
+            if version not in self.versions:
+                raise KeyError(version)
+            if version != self.serving:
+                self.serving = version
+                self.model.load_trained(self.versions[version])
+                self.model.train()
+                self.pending = None  # made from another base
+
+    def take_candidate(self) -> Optional[Candidate]:
+        with self._lock:
+            c, self.pending = self.pending, None
+            if c is not None:
+                self._offered, self._offered_t = c.version, time.monotonic()
+            return c
+
+    # ---- training -----------------------------------------------------------------------------
+    def _deepspeed(self):
+        if self._engine is None:
+            import os
+
+            os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device.type == "cuda" else "cpu")
+            os.environ.setdefault("LOCAL_RANK", "0")  # what a DeepSpeed launcher would set
+            import deepspeed
+
+            # DeepSpeed wants a process group: the calibrator is a world of one (a no-op when one exists)
+            deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo", auto_mpi_discovery=False,
+                                       init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            ds_cfg = {
+                "train_micro_batch_size_per_gpu": self.cc.batch_rounds, "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0, "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": self.cc.learning_rate, "betas": [0.9, 0.95],
+                                                          "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}},
+                "zero_optimization": {"stage": 0},
+            }
+            self._engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=list(self.model.parameters()),
+                                                         config=ds_cfg)
+        return self._engine
+
+    def update(self) -> dict:
+        """One update: train, score against the serving version on the held-back rounds, and keep
+        the result as the pending candidate if it wins by `margin` (else go back to the serving
+        weights when it lost). Returns the update's record."""
+        t0, start = time.perf_counter(), time.monotonic()
+        with self._lock:
+            train = self.buffer.rounds(held_out=False)
+            hold = self.buffer.rounds(held_out=True)
+            self._rounds_at_update = self.buffer.total_kept
+            serving_state = self.versions[self.serving]
+            base_version = self.serving
+        if not train or not hold:
+            return {"skipped": "no training or held-back rounds yet"}
+        engine = self._deepspeed()
+        S, B = self.c.block_size, self.cc.batch_rounds
+        metrics = {}
+        for _ in range(self.cc.steps_per_update):
+            batch = collate(self._rng.sample(train, min(B, len(train))), S, self.device)
+            z, conf = engine.module.forward_rounds(batch["hidden"], batch["ctx_pos"], batch["ctx_valid"],
+                                                   batch["anchors"], batch["anchor_pos"], batch["prev"])
+            loss, metrics = round_losses(z, conf, batch, self.cc.reject_weight)
+            engine.backward(loss)
+            engine.step()
+            self.steps += 1
+        self.updates += 1
+        self.model.load_trained(self.model.state_dict())  # drop the cached Markov factors
+        cand = shadow_scores(self.model, hold, S, self.device)
+        ref_model = _scratch_model(self, serving_state)
+        serve = shadow_scores(ref_model, hold, S, self.device)
+        wins = cand["tau"] >= serve["tau"] * (1 + self.cc.margin) and cand["match"] >= serve["match"] * (1 - self.cc.margin)
+        record = {"update": self.updates, "time": time.time(), "base_version": base_version,
+                  "train_rounds": len(train), "holdout_rounds": len(hold), "steps": self.cc.steps_per_update,
+                  "loss": round(float(loss.detach()), 4), **{k: round(v, 4) for k, v in metrics.items()},
+                  "shadow": _round(cand), "serving_shadow": _round(serve), "seconds": round(time.perf_counter() - t0, 2),
+                  # monotonic clock (one per machine): which serving steps ran while this update trained
+                  "t_start": start, "t_end": time.monotonic()}
+        with self._lock:
+            if self.serving != base_version:  # rolled back meanwhile: this update no longer applies
+                record["outcome"] = "discarded (the serving version changed)"
+                self.model.load_trained(self.versions[self.serving])
+            elif wins:
+                v = self.next_version
+                self.next_version += 1
+                self.rounds_trained += len(train)
+                state = _cpu_state(self.model)
+                self.versions[v] = state
+                # kept: the original, the serving one and the newest keep_versions (as the engine keeps them)
+                keep = {0, self.serving, *sorted(k for k in self.versions if k)[-self.cc.keep_versions:]}
+                for old in [k for k in self.versions if k not in keep]:
+                    self.versions.pop(old)
+                self.pending = Candidate(v, state, {"version": v, "rounds_trained": self.rounds_trained,
+                                                    "shadow": record["shadow"], "serving_shadow": record["serving_shadow"],
+                                                    "time": time.time(), "base_version": base_version})
+                record["outcome"] = f"candidate version {v}"
+            elif cand["tau"] < serve["tau"] or cand["match"] < serve["match"] * (1 - self.cc.margin):
+                record["outcome"] = "rejected: worse than the serving version; back to its weights"
+                self.model.load_trained(serving_state)
+            else:
+                record["outcome"] = "not yet better by the margin; training goes on"
+            self.model.train()
+            self.history.append(record)
+            del self.history[:-500]
+        log.info("drafter calibration update %d: %s (shadow tau %.3f vs serving %.3f)", self.updates,
+                 record["outcome"], cand["tau"], serve["tau"])
+        return record
+
+    def updates_log(self) -> list[dict]:
+        """Every update's record (the latest 500)."""
+        with self._lock:
+            return list(self.history)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"buffer": self.buffer.state(), "updates": self.updates, "optimizer_steps": self.steps,
+                    "serving": self.serving, "versions_kept": sorted(self.versions),
+                    "pending_candidate": None if self.pending is None else self.pending.version,
+                    "last_updates": self.history[-5:], "last_error": self.last_error}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_state(model) -> dict:
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _round(d: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _scratch_model(cal: Calibrator, state: dict):
+    """A second drafter for scoring the serving version (kept between updates)."""
+    m = getattr(cal, "_scratch", None)
+    if m is None:
+        from .dspark_model import DSparkDrafter
+
+        m = DSparkDrafter(cal.c).to(cal.device)
+        m.set_target_tables(cal.model.embed, cal.model.lm_head)
+        cal._scratch = m
+    m.load_trained(state)
+    return m.eval()
+
+
+class CalibrationLoop:
+    """In process: the calibrator's updates on a thread of their own, at most one per interval_s.
+    (With executor ray the calibrator is an actor, on its own device, running the same loop.)"""
+
+    def __init__(self, calibrator: Calibrator, interval_s: float):
+        self.calibrator, self.interval_s = calibrator, interval_s
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dspark-calibrator", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()  # the first update one interval after the start, like every other
+        while not self._stop.is_set():
+            self._wake.wait(max(0.05, min(1.0, self.interval_s - (time.monotonic() - last))))
+            self._wake.clear()
+            if self._stop.is_set() or time.monotonic() - last < self.interval_s or not self.calibrator.ready():
+                continue
+            last = time.monotonic()
+            try:
+                self.calibrator.update()
+            except Exception as e:  # noqa: BLE001 -- a calibration failure leaves the serving drafter as it is
+                self.calibrator.last_error = f"{type(e).__name__}: {e}"
+                log.warning("drafter calibration update failed (%s); the serving drafter is unchanged", e, exc_info=e)
+
+    def kick(self) -> None:
+        """Run an update now if one is due (tests)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout=60)
+
+
+# ---------------------------------------------------------------------------------------- versions
+
+class DrafterVersions:
+    """The engine's side: which version serves, the history of versions (time, rounds trained on,
+    shadow score, live tau), live tau by version over a window of rounds, and automatic rollback
+    when a new version's live tau falls below its predecessor's by more than rollback_margin."""
+
+    def __init__(self, window_rounds: int, rollback_margin: float):
+        self.window_rounds, self.rollback_margin = window_rounds, rollback_margin
+        self.serving = 0
+        self.history: list[dict] = [{"version": 0, "time": time.time(), "event": "original", "rounds_trained": 0,
+                                     "shadow": None}]
+        self.live: dict[int, deque] = {0: deque(maxlen=window_rounds)}
+        self.totals: dict[int, list] = {0: [0, 0, 0]}  # version -> [rounds, tokens, drafts verified]
+        self.predecessor: Optional[int] = None
+        self.baseline: Optional[float] = None  # the predecessor's live tau when this version was published
+        self.events: list[dict] = []  # publishes and rollbacks: {time, step, event, from, to}
+        self.pinned = False  # a manual rollback holds its version: nothing publishes until resumed
+
+    def live_tau(self, version: int) -> Optional[float]:
+        w = self.live.get(version)
+        return sum(w) / len(w) if w else None
+
+    def observe(self, tokens_per_round, drafts_per_round=None) -> Optional[int]:
+        """Verify rounds of the serving version (tokens each produced, drafts each verified). Returns
+        the version to roll back to when the serving one falls below its predecessor by the margin
+        over a full window."""
+        v = self.serving
+        self.live[v].extend(tokens_per_round)
+        self.totals[v][0] += len(tokens_per_round)
+        self.totals[v][1] += sum(tokens_per_round)
+        self.totals[v][2] += sum(drafts_per_round) if drafts_per_round is not None else 0
+        if (self.predecessor is not None and self.baseline is not None and len(self.live[v]) == self.window_rounds
+                and self.live_tau(v) < self.baseline * (1 - self.rollback_margin)):
+            return self.predecessor
+        return None
+
+    def switch(self, version: int, event: str, step: int, meta: Optional[dict] = None) -> None:
+        old = self.serving
+        if event == "publish":
+            self.predecessor = old
+            self.baseline = self.live_tau(old) if len(self.live[old]) >= min(50, self.window_rounds) else None
+            self.history.append({"version": version, "time": time.time(), "event": "published", **(meta or {})})
+        else:  # a rollback: the version rolled back to has no predecessor to be judged against
+            self.predecessor, self.baseline = None, None
+            for h in self.history:
+                if h["version"] == old and h.get("event") == "published":
+                    h["rolled_back"] = event
+        self.serving = version
+        self.live.setdefault(version, deque(maxlen=self.window_rounds)).clear()
+        self.totals.setdefault(version, [0, 0, 0])
+        self.events.append({"time": time.time(), "monotonic": time.monotonic(), "step": step, "event": event,
+                            "from": old, "to": version})
+
+    def status(self) -> dict:
+        hist = []
+        for h in self.history:
+            v = h["version"]
+            rounds, tokens, drafts = self.totals.get(v, [0, 0, 0])
+            hist.append({**h, "live_rounds": rounds, "live_tau": round(tokens / rounds, 4) if rounds else None,
+                         "live_acceptance": round((tokens - rounds) / drafts, 4) if drafts else None})
+        return {"serving_version": self.serving, "pinned": self.pinned, "predecessor": self.predecessor,
+                "predecessor_live_tau": None if self.baseline is None else round(self.baseline, 4),
+                "live_tau": None if self.live_tau(self.serving) is None else round(self.live_tau(self.serving), 4),
+                "history": hist, "events": self.events[-50:]}
