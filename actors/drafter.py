@@ -34,6 +34,7 @@ class Drafter:
         self.calibrator_name = calibrator  # online calibration: where finished sequences' rounds go
         self._calibrator = None
         self._outbox, self._sent_t = [], time.monotonic()
+        self._shipping = None  # a thread pickles and sends the batches, off the calls that serve
 
     def node_address(self) -> tuple[str, int]:
         """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
@@ -120,18 +121,28 @@ class Drafter:
     def _ship(self, samples) -> None:
         """Finished sequences' rounds to the calibrator, in batches (fire and forget: a calibrator
         that is gone costs the samples, never the serving)."""
-        import ray
-
         self._outbox += samples
         if not self._outbox or (len(self._outbox) < 8 and time.monotonic() - self._sent_t < 2.0):
             return
         batch, self._outbox, self._sent_t = self._outbox, [], time.monotonic()
-        try:
-            if self._calibrator is None:
-                self._calibrator = ray.get_actor(self.calibrator_name)
-            self._calibrator.add.remote(batch)
-        except Exception:  # noqa: BLE001
-            self._calibrator = None
+        if self._shipping is None:
+            import queue
+
+            self._shipping = queue.SimpleQueue()
+            threading.Thread(target=self._ship_loop, name="dspark-calibration-ship", daemon=True).start()
+        self._shipping.put(batch)
+
+    def _ship_loop(self) -> None:
+        import ray
+
+        while True:
+            batch = self._shipping.get()
+            try:
+                if self._calibrator is None:
+                    self._calibrator = ray.get_actor(self.calibrator_name)
+                self._calibrator.add.remote(batch)
+            except Exception:  # noqa: BLE001
+                self._calibrator = None
 
     def stage(self, version: int, state, keep) -> int:
         """Hold a calibrated version (`state`: its weights, from the object store) to switch to."""

@@ -84,10 +84,10 @@ class CalibrationConfig(_Section):
     workload: see BENCHMARKS.md "Online drafter calibration")."""
 
     enabled: bool = False
-    interval_s: float = Field(30.0, gt=0)  # at most one training update per interval, never in a step
+    interval_s: float = Field(30.0, gt=0)  # idle time between training updates (never in a serving step)
     buffer_rounds: int = Field(4096, ge=16)  # verify rounds the replay buffer keeps (oldest sequences go first)
     min_rounds: int = Field(256, ge=1)  # rounds in the buffer before the first update
-    learning_rate: float = Field(3e-4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)  # 1e-3 wrecked the bundled drafter in 40 steps (BENCHMARKS.md)
     steps_per_update: int = Field(40, ge=1)  # optimiser steps per update
     batch_rounds: int = Field(16, ge=1)  # rounds per optimiser step
     top_logprobs: int = Field(20, ge=1, le=256)  # the target's top-k log-probabilities kept per position

@@ -4,10 +4,10 @@
     python launch/bench_calibration.py [--requests 480] [--max-tokens 64] [--batch 8] [--interval 15]
         [--out FILE] [--plot FILE]
 
-The bundled tiny-dspark was trained on Python (continuations of standard-library modules). The
-stream here is English prose it never saw: paragraphs of the package descriptions (METADATA) of the
-installed Python packages, sorted by package name, each cut to its first 300 characters; tiny-moe
-continues each one (greedy, --max-tokens, ignore_eos). Two runs of the same stream, one process
+The bundled tiny-dspark was trained on continuations of the standard library's modules. The stream
+here is code it never saw: test functions from the installed packages' test suites (300 characters
+from each `def test_`), which cut its tau from 2.98 (held-out stdlib prompts) to 2.46 (greedy, k=4);
+tiny-moe continues each one (greedy, --max-tokens, ignore_eos). Two runs of the same stream, one process
 each under Ray (executor ray: target worker, drafter and, when on, the calibrator, each its own
 process), the drafter on `schedule: static`, k = 4 (so tau is the drafter's alone, not the verify
 budget's): calibration off, then on (interval --interval s, 40 optimiser steps of 16 rounds an
@@ -38,23 +38,25 @@ from dspark_cluster.workload import WorkloadRequest  # noqa: E402
 
 
 def shifted_prompts(n: int) -> list[str]:
-    """Prose the drafter never saw: package descriptions, a paragraph of >= 200 characters each."""
-    import importlib.metadata as md
+    """Code the drafter never saw: the test suites of the installed packages (site-packages/*/tests),
+    300 characters from each `def test_` on, files in name order, every n-th kept."""
+    import glob
+    import site
 
-    paras = []
-    for d in sorted(md.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
-        desc = d.metadata.get_payload() or d.metadata.get("Description") or ""
-        for p in re.split(r"\n\s*\n", desc):
-            p = " ".join(p.split())
-            if len(p) >= 200 and not p.startswith(("```", ".. ", "|", "[!", "<", "#")):
-                paras.append(p[:300])
-    seen, out = set(), []
-    for p in paras:  # the same paragraph appears in several packages' descriptions
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
+    out, seen = [], set()
+    for root in site.getsitepackages():
+        for f in sorted(glob.glob(f"{root}/**/tests/test_*.py", recursive=True)):
+            try:
+                text = open(f, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            for m in re.finditer(r"\ndef test_|\n    def test_", text):
+                p = text[m.start() + 1 : m.start() + 301]
+                if len(p) == 300 and p not in seen:
+                    seen.add(p)
+                    out.append(p)
     if len(out) < n:
-        raise SystemExit(f"only {len(out)} paragraphs of package descriptions here; ask for fewer --requests")
+        raise SystemExit(f"only {len(out)} test functions in the installed packages here; ask for fewer --requests")
     step = len(out) / n
     return [out[int(i * step)] for i in range(n)]
 
@@ -126,7 +128,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--interval", type=float, default=15.0)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default="runs/bench_calibration.json")
     ap.add_argument("--plot", default="docs/img/calibration_tau.png")
     args = ap.parse_args()
@@ -180,7 +182,7 @@ def main() -> None:
         ax.text(x, ax.get_ylim()[1], f" v{e['to']}", fontsize=7, va="top", rotation=90)
     ax.set_xlabel("seconds into the stream")
     ax.set_ylabel("tau (tokens per verify round, 10 s bins)")
-    ax.set_title(f"tiny-dspark on unseen prose, k=4: green = publish, red = rollback")
+    ax.set_title("tiny-dspark on unseen test code, k=4: green = publish, red = rollback")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)

@@ -106,22 +106,22 @@ def test_buffer_is_bounded_and_holds_back_whole_sequences():
 
 def test_versions_roll_back_when_live_tau_falls_below_the_predecessor():
     v = DrafterVersions(window_rounds=20, rollback_margin=0.1)
-    assert v.observe([3] * 60) is None  # version 0: tau 3
+    assert v.observe([3] * 80) is None  # version 0: tau 3
     v.switch(1, "publish", step=10, meta={"rounds_trained": 100})
-    assert v.observe([2] * 19) is None  # not a full window yet
+    assert v.observe([2] * 19) is None  # judged at the end of each window
     assert v.observe([3]) == 0  # (2 x 19 + 3) / 20 = 2.05 < 0.9 x 3
     v.switch(0, "auto rollback", step=20)
     v.switch(2, "publish", step=30)
-    assert v.observe([3] * 18 + [2] * 2) is None  # 2.9 > 0.9 x 3: within the margin
-    v2 = DrafterVersions(window_rounds=20, rollback_margin=0.1)
-    v2.observe([3] * 60)
-    v2.switch(1, "publish", step=10)
-    assert v2.observe([2] * 20) == 0  # 2 < 0.9 x 3
-    v2.switch(0, "auto rollback", step=30)
-    st = v2.status()
-    assert st["serving_version"] == 0 and [e["event"] for e in st["events"]] == ["publish", "auto rollback"]
-    assert st["history"][1]["rolled_back"] == "auto rollback" and st["history"][1]["live_tau"] == 2.0
-    assert v2.observe([1] * 40) is None  # a version rolled back to is not judged against the one it replaced
+    assert v.observe([3] * 18 + [2] * 2) is None  # 2.9 >= 2.7
+    assert v.observe([2] * 10 + [3] * 10) is None  # a poor window, but 2.7 over all 40 rounds
+    assert v.observe([3] * 40) is None and v.trial is None  # 4 windows: the trial is passed
+    assert v.observe([1] * 100) is None  # not on trial any more
+    st = v.status()
+    assert st["serving_version"] == 2 and [e["event"] for e in st["events"]] == ["publish", "auto rollback", "publish"]
+    assert st["history"][1]["rolled_back"] == "auto rollback" and st["history"][1]["live_tau"] == 2.05
+    assert st["history"][2]["trial"] == "passed" and st["history"][2]["predecessor_live_tau"] == 3.0
+    v.switch(3, "publish", step=40)  # its predecessor's baseline: version 2's last 80 rounds
+    assert v.baseline == 1.0 and v.observe([1] * 20) is None
 
 
 def test_calibration_is_for_the_dspark_drafter():
@@ -270,6 +270,7 @@ def test_poisoned_laws_are_filtered_and_a_poisoned_candidate_is_rejected(bundled
     no longer matches the tokens the target produced), so the serving version stays."""
     llm, cal = bundled, bundled.engine.drafter.calibrator
     llm.generate(bundled_prompts(32, offset=16), GREEDY)
+    cal.take_inbox()
     with cal._lock:
         clean = [s for s, _ in cal.buffer.samples]
     assert clean
@@ -280,10 +281,10 @@ def test_poisoned_laws_are_filtered_and_a_poisoned_candidate_is_rejected(bundled
         r.topk_ids = torch.randint(0, cal.vocab_size, r.topk_ids.shape, generator=g)
         return SequenceSample(s.seq_id + 10**6, s.rows, r, "stop")
 
-    before = cal.buffer.state()["dropped"].get("inconsistent_law", 0)
+    before = cal.status()["buffer"]["dropped"].get("inconsistent_law", 0)
     n = sum(len(s.rounds) for s in clean)
     cal.add([poison(s) for s in clean])
-    assert cal.buffer.state()["dropped"]["inconsistent_law"] - before == n
+    assert cal.status()["buffer"]["dropped"]["inconsistent_law"] - before == n
     # past the filter (as a law wrong in a way no check sees would be)
     serving = cal.serving
     with cal._lock:

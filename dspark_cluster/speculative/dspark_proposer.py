@@ -129,11 +129,10 @@ class DSparkProposer:
                 self._append(st, st.length, st.pending.pop(st.length))
             self.ingested_rows += hidden.shape[0]
         if self.calibrate and rows.rounds is not None:
-            r = rows.rounds
-            for sid in r.seq_ids.unique().tolist():
+            for sid, r in rows.rounds.by_sequence().items():
                 st = self.ctx.get(sid)
                 if st is not None and not st.lost:
-                    st.rounds.append(r.select(r.seq_ids == sid))
+                    st.rounds.append(r)
 
     def _append(self, st: _Context, start: int, hidden) -> None:
         """Take rows at positions start.. (dropping anything after: a recompute rewrites history)."""
