@@ -89,7 +89,7 @@ class CalibrationConfig(_Section):
     min_rounds: int = Field(256, ge=1)  # rounds in the buffer before the first update
     learning_rate: float = Field(1e-4, gt=0)  # 1e-3 wrecked the bundled drafter in 40 steps (BENCHMARKS.md)
     steps_per_update: int = Field(40, ge=1)  # optimiser steps per update
-    batch_rounds: int = Field(16, ge=1)  # rounds per optimiser step
+    batch_rounds: int = Field(64, ge=1)  # rounds per optimiser step (8 of each sequence, sharing its context)
     top_logprobs: int = Field(20, ge=1, le=256)  # the target's top-k log-probabilities kept per position
     reject_weight: float = Field(2.0, ge=0)  # extra loss weight at the first rejected position (OSD)
     # rounds where the target's mean entropy exceeds this share of ln(vocab) are dropped (it does not know)

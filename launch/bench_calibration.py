@@ -10,8 +10,8 @@ from each `def test_`), which cut its tau from 2.98 (held-out stdlib prompts) to
 tiny-moe continues each one (greedy, --max-tokens, ignore_eos). Two runs of the same stream, one process
 each under Ray (executor ray: target worker, drafter and, when on, the calibrator, each its own
 process), the drafter on `schedule: static`, k = 4 (so tau is the drafter's alone, not the verify
-budget's): calibration off, then on (interval --interval s, 40 optimiser steps of 16 rounds an
-update, min_rounds 256, margin 0.02).
+budget's): calibration off, then on (interval --interval s, 40 optimiser steps of 64 rounds an
+update, 8 from each of 8 sequences, min_rounds 256, margin 0.02).
 
 Reported: tau (tokens per verify round) over time and over requests for both runs; tau in the last
 third of the stream (by requests finished), on / off; decode step time p99 of the calibrating run
@@ -68,7 +68,7 @@ def config(args, calibrate: bool) -> dict:
             "speculative": {"method": "dspark", "draft_model": str(ASSETS_DIR / "tiny-dspark"), "num_tokens": 4,
                             "schedule": "static",
                             "calibration": {"enabled": calibrate, "interval_s": args.interval, "min_rounds": 256,
-                                            "steps_per_update": 40, "batch_rounds": 16, "margin": 0.02,
+                                            "steps_per_update": 40, "batch_rounds": 64, "margin": 0.02,
                                             "learning_rate": args.lr, "window_rounds": 400}}}
 
 

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FINISH_DROPPED = {"error": "request_error", "abort": "request_aborted"}
 REPEAT_WINDOW = 16  # committed tokens looked at for a degenerate repeat
 MAX_CONTEXT = 512  # context rows a training round reads (the latest; positions stay absolute)
+# rounds of one sequence in a training batch: they share one context forward (the costly part)
+ROUNDS_PER_SEQUENCE = 8
 
 
 # ---------------------------------------------------------------------------------------- records
@@ -237,35 +239,55 @@ class ReplayBuffer:
                 "rounds_kept": self.total_kept, "dropped": dict(self.dropped), "evicted": self.evicted}
 
 
-def collate(items: list[tuple[SequenceSample, int]], block_size: int, device) -> dict:
-    """Rounds -> the padded tensors `DSparkDrafter.forward_rounds` and `round_losses` take."""
-    R = len(items)
-    ctx = [s.rows[max(0, int(s.rounds.anchor_pos[i]) - MAX_CONTEXT) : int(s.rounds.anchor_pos[i])] for s, i in items]
-    starts = [max(0, int(s.rounds.anchor_pos[i]) - MAX_CONTEXT) for s, i in items]
-    C = max(1, max(c.shape[0] for c in ctx))
-    F = items[0][0].rows.shape[1]
-    hidden = torch.zeros(R, C, F)
-    pos = torch.zeros(R, C, dtype=torch.long)
-    valid = torch.zeros(R, C, dtype=torch.bool)
-    for b, (c, s0) in enumerate(zip(ctx, starts)):
-        n = c.shape[0]
-        hidden[b, :n] = c.float()
-        pos[b, :n] = torch.arange(s0, s0 + n)
-        valid[b, :n] = True
-    rec = RoundRecords.cat([s.rounds.select([i]) for s, i in items])
+def collate(groups: list[tuple[SequenceSample, list[int]]], block_size: int, device) -> dict:
+    """Rounds, grouped by sequence ((sample, round indices) each) -> the padded tensors
+    `DSparkDrafter.forward_rounds` takes ([B, ...] per sequence, [B, A, ...] per round) and those
+    `round_losses` takes (flattened to [B * A, ...]; `valid` marks the rounds that are not padding).
+    A sequence's context is its rows before its latest chosen anchor, at most the last MAX_CONTEXT."""
+    B, A = len(groups), max(len(idx) for _, idx in groups)
+    ends = [int(s.rounds.anchor_pos[idx].max()) for s, idx in groups]
+    starts = [max(0, e - MAX_CONTEXT) for e in ends]
+    C = max(1, max(e - s0 for e, s0 in zip(ends, starts)))
+    F = groups[0][0].rows.shape[1]
+    hidden = torch.zeros(B, C, F)
+    pos = torch.zeros(B, C, dtype=torch.long)
+    valid_ctx = torch.zeros(B, C, dtype=torch.bool)
+    for b, ((s, _), s0, e) in enumerate(zip(groups, starts, ends)):
+        hidden[b, : e - s0] = s.rows[s0:e].float()
+        pos[b, : e - s0] = torch.arange(s0, e)
+        valid_ctx[b, : e - s0] = True
+    # per round, padded to A rounds per sequence (a padding round repeats the sequence's first, weight 0)
+    rec = RoundRecords.cat([s.rounds.select(idx + [idx[0]] * (A - len(idx))) for s, idx in groups])
+    valid = torch.tensor([i < len(idx) for _, idx in groups for i in range(A)])
     S = block_size
     K1 = rec.topk_ids.shape[1]
+    R = B * A
     # slot j's previous token: the anchor, then the drafts (what the Markov head read when serving)
     prev = torch.cat([rec.anchor[:, None], rec.draft_tokens], dim=1)
     prev = torch.cat([prev, prev.new_zeros(R, max(0, S - prev.shape[1]))], dim=1)[:, :S]
     P = min(S, K1)
     j = torch.arange(P)
-    verified = j[None, :] <= rec.num_draft[:, None]
-    out = {"hidden": hidden, "ctx_pos": pos, "ctx_valid": valid, "anchors": rec.anchor, "anchor_pos": rec.anchor_pos,
-           "prev": prev, "topk_ids": rec.topk_ids[:, :P], "topk_logprobs": rec.topk_logprobs[:, :P],
-           "verified": verified, "num_draft": rec.num_draft, "num_accepted": rec.num_tokens - 1,
-           "out_tokens": rec.out_tokens[:, :P], "committed": j[None, :] < rec.num_tokens[:, None]}
+    out = {"hidden": hidden, "ctx_pos": pos, "ctx_valid": valid_ctx, "anchors": rec.anchor.view(B, A),
+           "anchor_pos": rec.anchor_pos.view(B, A), "prev": prev.view(B, A, S),
+           "topk_ids": rec.topk_ids[:, :P], "topk_logprobs": rec.topk_logprobs[:, :P],
+           "verified": (j[None, :] <= rec.num_draft[:, None]) & valid[:, None], "num_draft": rec.num_draft,
+           "num_accepted": rec.num_tokens - 1, "out_tokens": rec.out_tokens[:, :P],
+           "committed": (j[None, :] < rec.num_tokens[:, None]) & valid[:, None], "valid": valid}
     return {k: v.to(device) for k, v in out.items()}
+
+
+def group_rounds(items: list[tuple[SequenceSample, int]], per_sequence: int) -> list[tuple[SequenceSample, list[int]]]:
+    """(sample, round) pairs -> (sample, up to per_sequence round indices) groups, in order."""
+    by_seq: dict[int, tuple[SequenceSample, list[int]]] = {}
+    for s, i in items:
+        by_seq.setdefault(id(s), (s, []))[1].append(i)
+    return [(s, idx[k : k + per_sequence]) for s, idx in by_seq.values() for k in range(0, len(idx), per_sequence)]
+
+
+def forward(model, b: dict):
+    """forward_rounds on a collated batch, flattened to rounds: (z [R, S, V], conf [R, S] or None)."""
+    z, conf = model.forward_rounds(b["hidden"], b["ctx_pos"], b["ctx_valid"], b["anchors"], b["anchor_pos"], b["prev"])
+    return z.flatten(0, 1), None if conf is None else conf.flatten(0, 1)
 
 
 # ---------------------------------------------------------------------------------------- loss
@@ -321,16 +343,18 @@ def shadow_scores(model, items: list, block_size: int, device, batch_rounds: int
     was = model.training
     model.eval()
     tau = tv_sum = n_pos = match = n_commit = 0.0
-    for i in range(0, len(items), batch_rounds):
-        b = collate(items[i : i + batch_rounds], block_size, device)
-        z, _ = model.forward_rounds(b["hidden"], b["ctx_pos"], b["ctx_valid"], b["anchors"], b["anchor_pos"], b["prev"])
+    groups = group_rounds(items, ROUNDS_PER_SEQUENCE)
+    step = max(1, batch_rounds // ROUNDS_PER_SEQUENCE)
+    for i in range(0, len(groups), step):
+        b = collate(groups[i : i + step], block_size, device)
+        z, _ = forward(model, b)
         P = b["topk_ids"].shape[1]
         tv, _, _ = topk_law_distances(z[:, :P], b["topk_ids"], b["topk_logprobs"])
         ver = b["verified"].float()
         # position j < num_draft is a draft; the survival chain runs over the drafts verified
         draft = ver * (torch.arange(P, device=device)[None, :] < b["num_draft"][:, None]).float()
         surv = torch.cumprod(torch.where(draft > 0, 1 - tv, torch.ones_like(tv)), dim=1) * draft
-        tau += float((1 + surv.sum(1)).sum())
+        tau += float(((1 + surv.sum(1)) * b["valid"]).sum())
         tv_sum += float((tv * ver).sum())
         n_pos += float(ver.sum())
         com = b["committed"].float()
@@ -474,12 +498,16 @@ class Calibrator:
         if not train or not hold:
             return {"skipped": "no training or held-back rounds yet"}
         engine = self._deepspeed()
-        S, B = self.c.block_size, self.cc.batch_rounds
+        S = self.c.block_size
+        by_seq = group_rounds(train, 10**9)  # every sequence with all its training rounds
+        n_seq = max(1, self.cc.batch_rounds // ROUNDS_PER_SEQUENCE)
         metrics = {}
         for _ in range(self.cc.steps_per_update):
-            batch = collate(self._rng.sample(train, min(B, len(train))), S, self.device)
-            z, conf = engine.module.forward_rounds(batch["hidden"], batch["ctx_pos"], batch["ctx_valid"],
-                                                   batch["anchors"], batch["anchor_pos"], batch["prev"])
+            # batch_rounds rounds: ROUNDS_PER_SEQUENCE of each of a few sequences, one context each
+            picked = self._rng.sample(by_seq, min(n_seq, len(by_seq)))
+            batch = collate([(s, self._rng.sample(idx, min(ROUNDS_PER_SEQUENCE, len(idx)))) for s, idx in picked],
+                            S, self.device)
+            z, conf = forward(engine.module, batch)
             loss, metrics = round_losses(z, conf, batch, self.cc.reject_weight)
             engine.backward(loss)
             engine.step()

@@ -235,22 +235,27 @@ class DSparkDrafter(nn.Module):
         return base + bias, self.confidence_logit(hn, e)
 
 
-    # ---- online calibration: one block per verify round, each with its own context -----------
+    # ---- online calibration: recorded verify rounds, several per sequence over one context ----
     def forward_rounds(self, target_hidden, ctx_pos, ctx_valid, anchors, anchor_pos, prev):
-        """The serving computation (block_forward + the Markov head) for R recorded rounds, with
-        gradients. target_hidden [R, C, n_layers * H_target] context rows (padded), ctx_pos [R, C]
-        their positions, ctx_valid [R, C] bool; anchors [R] token ids at anchor_pos [R]; prev [R, S]
-        the token before each slot (slot 0: the anchor; slot j: draft j). Returns (z [R, S, V]
-        Markov-corrected logits, confidence logits [R, S] or None)."""
-        R, S = anchors.shape[0], self.c.block_size
+        """The serving computation (block_forward + the Markov head) for A recorded rounds of each
+        of B sequences, with gradients; each sequence's context keys/values are computed once for
+        all its rounds. target_hidden [B, C, n_layers * H_target] context rows (padded), ctx_pos
+        [B, C] their positions, ctx_valid [B, C] bool; anchors [B, A] token ids at anchor_pos [B, A];
+        prev [B, A, S] the token before each slot (slot 0: the anchor; slot j: draft j). A block sees
+        the context before its anchor and its own slots. Returns (z [B, A, S, V] Markov-corrected
+        logits, confidence logits [B, A, S] or None)."""
+        B, A = anchors.shape
+        S, dev = self.c.block_size, anchors.device
         ctx = self.fuse(target_hidden)
-        x = self.block_input(anchors, S)
-        qpos = anchor_pos[:, None] + torch.arange(S, device=anchors.device)
-        mask = torch.cat([ctx_valid[:, None, :].expand(R, S, -1), ctx_valid.new_ones(R, S, S)], dim=2)
+        x = self.block_input(anchors.reshape(-1), S).view(B, A * S, -1)
+        qpos = (anchor_pos[:, :, None] + torch.arange(S, device=dev)).reshape(B, A * S)
+        see_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < anchor_pos.repeat_interleave(S, dim=1)[:, :, None])
+        blk = torch.arange(A * S, device=dev) // S
+        mask = torch.cat([see_ctx, (blk[:, None] == blk[None, :]).expand(B, -1, -1)], dim=2)
         for layer in self.layers:
             ck, cv = layer.context_kv(ctx, ctx_pos)
             x = layer(x, qpos, ck, cv, mask)
-        hn, base = self.head(x)
+        hn, base = self.head(x.view(B, A, S, -1))
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2)
         return base + bias, self.confidence_logit(hn, e)
