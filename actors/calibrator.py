@@ -12,7 +12,7 @@ import torch
 
 
 class Calibrator:
-    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1):
+    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, first_version: int = 1):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
         from dspark_cluster.config import load_config
@@ -21,7 +21,8 @@ class Calibrator:
 
         self.cfg = load_config(cfg)
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
-        self.core = CoreCalibrator(self.cfg, load_spec(self.cfg.model.path, self.cfg.model.dtype), dev)
+        self.core = CoreCalibrator(self.cfg, load_spec(self.cfg.model.path, self.cfg.model.dtype), dev,
+                                   first_version=first_version)
         self.loop = CalibrationLoop(self.core, self.cfg.speculative.calibration.interval_s)
 
     def ready(self) -> bool:
@@ -37,8 +38,8 @@ class Calibrator:
         c = self.core.take_candidate()
         return None if c is None else (c.version, c.meta, ray.put(c.state))
 
-    def set_serving(self, version: int) -> None:
-        self.core.set_serving(version)
+    def set_serving(self, version: int, keep=None) -> None:
+        self.core.set_serving(version, keep)
 
     def status(self) -> dict:
         return self.core.status()

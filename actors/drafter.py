@@ -114,29 +114,23 @@ class Drafter:
                 self.proposer.free(seq_ids)
                 return
             self.proposer.free(seq_ids, reasons)
-            samples = self.proposer.take_samples()
-        if self.state.tp_rank == 0 and self.calibrator_name:
-            self._ship(samples)
-
-    def _ship(self, samples) -> None:
-        """Finished sequences' rounds to the calibrator, in batches (fire and forget: a calibrator
-        that is gone costs the samples, never the serving)."""
-        self._outbox += samples
-        if not self._outbox or (len(self._outbox) < 8 and time.monotonic() - self._sent_t < 2.0):
-            return
-        batch, self._outbox, self._sent_t = self._outbox, [], time.monotonic()
-        if self._shipping is None:
-            import queue
-
-            self._shipping = queue.SimpleQueue()
-            threading.Thread(target=self._ship_loop, name="dspark-calibration-ship", daemon=True).start()
-        self._shipping.put(batch)
+            if self.state.tp_rank == 0 and self.calibrator_name:
+                self._outbox += self.proposer.take_samples()
+                if self._shipping is None:
+                    threading.Thread(target=self._ship_loop, name="dspark-calibration-ship", daemon=True).start()
+                    self._shipping = True
 
     def _ship_loop(self) -> None:
+        """Finished sequences' rounds to the calibrator, in batches of 8 or every 2 s, pickled on this
+        thread (fire and forget: a calibrator that is gone costs the samples, never the serving)."""
         import ray
 
         while True:
-            batch = self._shipping.get()
+            time.sleep(0.2)
+            with self._lock:
+                if not self._outbox or (len(self._outbox) < 8 and time.monotonic() - self._sent_t < 2.0):
+                    continue
+                batch, self._outbox, self._sent_t = self._outbox, [], time.monotonic()
             try:
                 if self._calibrator is None:
                     self._calibrator = ray.get_actor(self.calibrator_name)
@@ -146,6 +140,7 @@ class Drafter:
 
     def stage(self, version: int, state, keep) -> int:
         """Hold a calibrated version (`state`: its weights, from the object store) to switch to."""
+        state = {k: v.to(self.proposer.device) for k, v in state.items()}  # the copy outside the lock
         with self._lock:
             self.proposer.stage(version, state, keep)
         return version

@@ -86,6 +86,7 @@ class CalibrationConfig(_Section):
     enabled: bool = False
     interval_s: float = Field(30.0, gt=0)  # idle time between training updates (never in a serving step)
     buffer_rounds: int = Field(4096, ge=16)  # verify rounds the replay buffer keeps (oldest sequences go first)
+    buffer_bytes: ByteSize = Field(ByteSize(2**30), gt=0)  # and the bytes it keeps (its context rows, mostly)
     min_rounds: int = Field(256, ge=1)  # rounds in the buffer before the first update
     learning_rate: float = Field(1e-4, gt=0)  # 1e-3 wrecked the bundled drafter in 40 steps (BENCHMARKS.md)
     steps_per_update: int = Field(40, ge=1)  # optimiser steps per update

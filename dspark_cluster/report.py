@@ -128,6 +128,15 @@ def format_summary(summary: dict) -> str:
                 ("ECE by position STS (%)", " ".join(_num(e, 100, ".1f") for e in cal["ece_after_by_position"])),
                 ("ECE noise floor (%)", " ".join(_num(e, 100, ".1f") for e in cal.get("ece_floor_by_position", []))),
             ]
+        versions = spec.get("drafter_versions") or {}
+        if versions:
+            by_version = ", ".join(f"v{h['version']} {_num(h.get('live_tau'), 1, '.2f')} / {_num(h.get('live_acceptance'), 1, '.2f')}"
+                                   for h in versions.get("history", []))
+            rows += [
+                ("drafter version serving", f"{versions.get('serving_version')}"
+                 f"{' (held)' if versions.get('pinned') else ''}, {len(versions.get('events', []))} publish/rollback events"),
+                ("tau / acceptance by version", by_version or "n/a"),
+            ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -111,6 +111,19 @@ def tau_series(r: dict, bin_s: float) -> tuple[list, list]:
     return xs, ys
 
 
+def tau_by_requests(r: dict, bin_requests: int) -> tuple[list, list]:
+    """tau per bin of the stream: steps binned by how many requests had finished when they ran."""
+    done = np.searchsorted(np.array(r["finish"]), [s["time"] for s in r["steps"]])
+    xs, ys = [], []
+    for a in range(0, len(r["finish"]), bin_requests):
+        m = (done >= a) & (done < a + bin_requests)
+        rounds = sum(s["spec_rounds"] for s, k in zip(r["steps"], m) if k)
+        if rounds:
+            xs.append(a + bin_requests / 2)
+            ys.append(sum(s["spec_tokens"] for s, k in zip(r["steps"], m) if k) / rounds)
+    return xs, ys
+
+
 def tau_after(r: dict, share: float) -> float:
     """tau over the steps after `share` of the requests finished."""
     cut = r["finish"][int(share * len(r["finish"]))]
@@ -162,28 +175,37 @@ def main() -> None:
                          for e in on["status"].get("events", [])]
     summary["history"] = on["status"].get("history")
     summary["buffer"] = (on["status"].get("calibrator") or {}).get("buffer")
+    bin_requests = max(8, args.requests // 30)
+    summary["series"] = {name: {"tau_by_time_10s": tau_series(r, 10.0), f"tau_by_requests_{bin_requests}": tau_by_requests(r, bin_requests)}
+                         for name, r in (("off", off), ("on", on))}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2, default=str)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "updates")}, indent=2, default=str))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "updates", "series")}, indent=2, default=str))
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
     for r, label in ((off, "calibration off"), (on, "calibration on")):
-        xs, ys = tau_series(r, 10.0)
-        ax.plot(xs, ys, marker=".", label=label)
+        ax.plot(*tau_series(r, 10.0), marker=".", label=label)
+        bx.plot(*tau_by_requests(r, bin_requests), marker=".", label=label)
+    done = np.array(on["finish"])
     for e in on["status"].get("events", []):
         x = e["monotonic"] - on["t0"]
-        ax.axvline(x, color="green" if e["event"] == "publish" else "red", alpha=0.4, lw=1)
-        ax.text(x, ax.get_ylim()[1], f" v{e['to']}", fontsize=7, va="top", rotation=90)
+        color = "green" if e["event"] == "publish" else "red"
+        for axis, pos in ((ax, x), (bx, int(np.searchsorted(done, e["monotonic"])))):
+            axis.axvline(pos, color=color, alpha=0.4, lw=1)
+            axis.text(pos, axis.get_ylim()[1], f" v{e['to']}", fontsize=7, va="top", rotation=90)
     ax.set_xlabel("seconds into the stream")
-    ax.set_ylabel("tau (tokens per verify round, 10 s bins)")
-    ax.set_title("tiny-dspark on unseen test code, k=4: green = publish, red = rollback")
+    ax.set_ylabel("tau (tokens per verify round)")
+    ax.set_title("tau over time (10 s bins)")
+    bx.set_xlabel("requests finished")
+    bx.set_title(f"tau over the stream ({bin_requests} requests per point)")
     ax.legend()
+    fig.suptitle("tiny-dspark on unseen test code, greedy, k=4: green = publish, red = rollback", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
     fig.savefig(args.plot, dpi=110)

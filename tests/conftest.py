@@ -142,8 +142,8 @@ def build_dspark(target_path, out_dir, seed: int = 0, layers=(0,), block_size: i
     """A random DSpark drafter for the test checkpoint at `target_path` (its tables are the
     target's; the Markov head is made non-zero so that its path is exercised). Saved in fp32."""
     from dspark_cluster.model.spec import load_spec
-    from dspark_cluster.speculative.dspark_model import DSparkConfig, DSparkDrafter, save_drafter, tensor_fingerprint
-    from dspark_cluster.speculative.dspark_proposer import target_tables
+    from dspark_cluster.speculative.dspark_model import (DSparkConfig, DSparkDrafter, save_drafter, target_tables,
+                                                          tensor_fingerprint)
 
     spec = load_spec(str(target_path), "float32")
     embed, head = target_tables(str(target_path), spec)

@@ -102,6 +102,19 @@ def test_buffer_is_bounded_and_holds_back_whole_sequences():
     assert held and held != {s.seq_id for s, _ in buf.samples}
     assert all(buf.held_out(sid) for sid in held)  # by sequence, stable
     assert st["holdout_rounds"] == 5 * len(held)
+    # only the rows its rounds read are kept (the MAX_CONTEXT before each anchor), with their offset
+    from dspark_cluster.speculative import calibration
+
+    far = rounds(3, seq=99, start=calibration.MAX_CONTEXT + 100)
+    buf2 = ReplayBuffer(max_rounds=1000, holdout=0.0)
+    buf2.add(sample(far, rows=calibration.MAX_CONTEXT + 200), 16)
+    (kept, _), = buf2.samples
+    assert kept.row_offset == 100 and kept.rows.shape[0] == int(far.anchor_pos.max()) - 100
+    # and the bytes are bounded as well as the rounds
+    small = ReplayBuffer(max_rounds=1000, holdout=0.0, max_bytes=3 * sample(rounds(5)).nbytes)
+    for s in range(10):
+        small.add(sample(rounds(5, seq=s)), 16)
+    assert small.state()["bytes"] <= small.max_bytes and len(small.samples) < 10
 
 
 def test_versions_roll_back_when_live_tau_falls_below_the_predecessor():
@@ -122,6 +135,9 @@ def test_versions_roll_back_when_live_tau_falls_below_the_predecessor():
     assert st["history"][2]["trial"] == "passed" and st["history"][2]["predecessor_live_tau"] == 3.0
     v.switch(3, "publish", step=40)  # its predecessor's baseline: version 2's last 80 rounds
     assert v.baseline == 1.0 and v.observe([1] * 20) is None
+    v.switch(4, "publish", step=50)
+    v.pin()  # a manual hold: not on trial any more
+    assert v.observe([0] * 100) is None and v.pinned
 
 
 def test_calibration_is_for_the_dspark_drafter():

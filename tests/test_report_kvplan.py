@@ -52,6 +52,24 @@ def test_write_report_files(tmp_path):
         assert len(data) > 1000 and data[:8] == PNG_MAGIC
 
 
+def test_report_of_a_calibrating_run_plots_tau_by_drafter_version(tmp_path):
+    steps = _steps(120)
+    for k, s in enumerate(steps):
+        s.update(spec_rounds=2, spec_tokens=4 + (k > 60), drafter_version=int(k > 60) if k < 100 else 0,
+                 num_drafted=8, num_verified=8, verify_budget=12)
+    summary = summarize([_request(0, 0.01, 0.002)], steps, duration_s=2.0, kv_blocks_total=16, preemptions=0)
+    summary["speculative"] = {"mean_accepted_length": 2.2, "acceptance_by_position": [0.6], "draft_time_s": 0.1,
+                              "verify_time_s": 0.2, "drafter_versions": {
+                                  "serving_version": 0, "pinned": False, "events": [{"event": "publish"}, {"event": "auto rollback"}],
+                                  "history": [{"version": 0, "live_tau": 2.0, "live_acceptance": 0.25},
+                                              {"version": 1, "live_tau": 2.5, "live_acceptance": 0.37}]}}
+    paths = write_report({"config": {}, "summary": summary, "requests": [], "steps": steps}, tmp_path)
+    assert (tmp_path / "drafter_versions.png").read_bytes()[:8] == PNG_MAGIC
+    assert "drafter_versions.png" in [p.name for p in paths]
+    text = format_summary(summary)
+    assert "v0 2.00 / 0.25, v1 2.50 / 0.37" in text and "2 publish/rollback events" in text
+
+
 def test_write_report_empty(tmp_path):
     summary = summarize([], [], duration_s=0.0, kv_blocks_total=8, preemptions=0)
     paths = write_report({"config": {}, "summary": summary, "requests": [], "steps": []}, tmp_path)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -28,6 +30,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
+
+from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter, target_tables
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +127,14 @@ def record_rounds(logits, draft_tokens, num_draft, out_tokens, num_tokens, tempe
 
 @dataclass
 class SequenceSample:
-    """What one finished sequence gives the calibrator: its context rows (fp16, the target's exported
-    states of tokens 0 .. L-1) and its recorded rounds."""
+    """What one finished sequence gives the calibrator: its context rows (16-bit: the target's
+    exported states of tokens row_offset .. row_offset + L - 1) and its recorded rounds."""
 
     seq_id: int
-    rows: torch.Tensor  # [L, n_layers * H_target] float16
+    rows: torch.Tensor  # [L, n_layers * H_target] float16 or bfloat16
     rounds: RoundRecords
     finish_reason: Optional[str]
+    row_offset: int = 0  # the position of rows[0] (the buffer keeps only the rows its rounds read)
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +171,10 @@ def filter_sample(sample: SequenceSample, vocab_size: int, max_entropy_share: fl
             why[i] = name
         keep.logical_and_(~mask)
 
-    drop(r.anchor_pos > sample.rows.shape[0], "missing_context")
+    drop(r.anchor_pos > sample.row_offset + sample.rows.shape[0], "missing_context")
+    if not bool(torch.isfinite(sample.rows).all()):  # a state beyond the storage type: its rounds would read inf
+        dropped["invalid_context"] = R
+        return None, dropped
     # law checks, over each round's verified positions 0 .. num_draft
     K1 = r.topk_ids.shape[1]
     j = torch.arange(K1)
@@ -200,8 +208,11 @@ class ReplayBuffer:
     """Kept rounds with their sequences' context rows, bounded by `max_rounds` (the oldest sequences
     go first). A share `holdout` of the sequences (by id, stable) is held back for shadow evaluation."""
 
-    def __init__(self, max_rounds: int, holdout: float, seed: int = 0, max_entropy_share: float = 0.85):
+    def __init__(self, max_rounds: int, holdout: float, seed: int = 0, max_entropy_share: float = 0.85,
+                 max_bytes: int = 2**30):
         self.max_rounds, self.holdout, self.max_entropy_share = max_rounds, holdout, max_entropy_share
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self.samples: deque = deque()  # (SequenceSample with kept rounds only, held_out)
         self.num_rounds = 0
         self.total_in = self.total_kept = 0  # rounds offered / kept, over the run
@@ -213,19 +224,32 @@ class ReplayBuffer:
         return random.Random(seq_id * 1_000_003 + self._salt).random() < self.holdout
 
     def add(self, sample: SequenceSample, vocab_size: int) -> None:
+        self.insert(*self.prepare(sample, vocab_size))
+
+    def prepare(self, sample: SequenceSample, vocab_size: int) -> tuple:
+        """The filtering and copying (no shared state: callers run it outside their lock)."""
         kept, dropped = filter_sample(sample, vocab_size, self.max_entropy_share)
-        self.total_in += len(sample.rounds)
-        self.dropped.update(dropped)
         if kept is None:
+            return None, dropped, len(sample.rounds)
+        # only the rows some kept round reads (the MAX_CONTEXT before each anchor)
+        lo = max(sample.row_offset, int(kept.anchor_pos.min()) - MAX_CONTEXT)
+        hi = int(kept.anchor_pos.max())
+        rows = sample.rows[lo - sample.row_offset : hi - sample.row_offset].clone()
+        return SequenceSample(sample.seq_id, rows, kept, sample.finish_reason, lo), dropped, len(sample.rounds)
+
+    def insert(self, trimmed: Optional[SequenceSample], dropped: Counter, offered: int) -> None:
+        self.total_in += offered
+        self.dropped.update(dropped)
+        if trimmed is None:
             return
-        self.total_kept += len(kept)
-        # rows past the last kept round's context are never read
-        rows = sample.rows[: int(kept.anchor_pos.max())].clone()
-        self.samples.append((SequenceSample(sample.seq_id, rows, kept, sample.finish_reason), self.held_out(sample.seq_id)))
-        self.num_rounds += len(kept)
-        while self.num_rounds > self.max_rounds and len(self.samples) > 1:
+        self.total_kept += len(trimmed.rounds)
+        self.samples.append((trimmed, self.held_out(trimmed.seq_id)))
+        self.num_rounds += len(trimmed.rounds)
+        self.num_bytes += trimmed.nbytes
+        while (self.num_rounds > self.max_rounds or self.num_bytes > self.max_bytes) and len(self.samples) > 1:
             old, _ = self.samples.popleft()
             self.num_rounds -= len(old.rounds)
+            self.num_bytes -= old.nbytes
             self.evicted += len(old.rounds)
 
     def rounds(self, held_out: bool) -> list[tuple[SequenceSample, int]]:
@@ -234,8 +258,8 @@ class ReplayBuffer:
     def state(self) -> dict:
         train = sum(len(s.rounds) for s, h in self.samples if not h)
         return {"rounds": self.num_rounds, "train_rounds": train, "holdout_rounds": self.num_rounds - train,
-                "sequences": len(self.samples), "capacity_rounds": self.max_rounds,
-                "bytes": sum(s.nbytes for s, _ in self.samples), "rounds_offered": self.total_in,
+                "sequences": len(self.samples), "capacity_rounds": self.max_rounds, "capacity_bytes": self.max_bytes,
+                "bytes": self.num_bytes, "rounds_offered": self.total_in,
                 "rounds_kept": self.total_kept, "dropped": dict(self.dropped), "evicted": self.evicted}
 
 
@@ -243,17 +267,18 @@ def collate(groups: list[tuple[SequenceSample, list[int]]], block_size: int, dev
     """Rounds, grouped by sequence ((sample, round indices) each) -> the padded tensors
     `DSparkDrafter.forward_rounds` takes ([B, ...] per sequence, [B, A, ...] per round) and those
     `round_losses` takes (flattened to [B * A, ...]; `valid` marks the rounds that are not padding).
-    A sequence's context is its rows before its latest chosen anchor, at most the last MAX_CONTEXT."""
+    Each round reads the MAX_CONTEXT rows before its anchor (`forward_rounds(window=MAX_CONTEXT)`);
+    a sequence's rows are laid out once for all its rounds."""
     B, A = len(groups), max(len(idx) for _, idx in groups)
     ends = [int(s.rounds.anchor_pos[idx].max()) for s, idx in groups]
-    starts = [max(0, e - MAX_CONTEXT) for e in ends]
+    starts = [max(s.row_offset, int(s.rounds.anchor_pos[idx].min()) - MAX_CONTEXT) for s, idx in groups]
     C = max(1, max(e - s0 for e, s0 in zip(ends, starts)))
     F = groups[0][0].rows.shape[1]
     hidden = torch.zeros(B, C, F)
     pos = torch.zeros(B, C, dtype=torch.long)
     valid_ctx = torch.zeros(B, C, dtype=torch.bool)
     for b, ((s, _), s0, e) in enumerate(zip(groups, starts, ends)):
-        hidden[b, : e - s0] = s.rows[s0:e].float()
+        hidden[b, : e - s0] = s.rows[s0 - s.row_offset : e - s.row_offset].float()
         pos[b, : e - s0] = torch.arange(s0, e)
         valid_ctx[b, : e - s0] = True
     # per round, padded to A rounds per sequence (a padding round repeats the sequence's first, weight 0)
@@ -286,7 +311,8 @@ def group_rounds(items: list[tuple[SequenceSample, int]], per_sequence: int) -> 
 
 def forward(model, b: dict):
     """forward_rounds on a collated batch, flattened to rounds: (z [R, S, V], conf [R, S] or None)."""
-    z, conf = model.forward_rounds(b["hidden"], b["ctx_pos"], b["ctx_valid"], b["anchors"], b["anchor_pos"], b["prev"])
+    z, conf = model.forward_rounds(b["hidden"], b["ctx_pos"], b["ctx_valid"], b["anchors"], b["anchor_pos"], b["prev"],
+                                   window=MAX_CONTEXT)
     return z.flatten(0, 1), None if conf is None else conf.flatten(0, 1)
 
 
@@ -382,12 +408,7 @@ class Calibrator:
     evaluation for the engine to publish. Thread-safe: `add` and `status` may come from other
     threads than `update`."""
 
-    def __init__(self, cfg, target_spec, device="cpu", seed: int = 0):
-        from pathlib import Path
-
-        from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter
-        from .dspark_proposer import target_tables
-
+    def __init__(self, cfg, target_spec, device="cpu", seed: int = 0, first_version: int = 1):
         sp = cfg.speculative
         self.cc = sp.calibration
         self.device = torch.device(device)
@@ -399,15 +420,21 @@ class Calibrator:
         self.model.set_target_tables(embed.float().to(self.device), lm_head.float().to(self.device))
         self.model.load_trained(served.state_dict())
         self.model.train()
-        self.versions: dict[int, dict] = {0: _cpu_state(served)}  # the original, and the last keep_versions made
+        # the original and the versions made; pruned to what the engine keeps (set_serving's `keep`)
+        self.versions: dict[int, dict] = {0: _cpu_state(served)}
         self.serving = 0
-        self.next_version = 1
-        self.buffer = ReplayBuffer(self.cc.buffer_rounds, self.cc.holdout, seed, self.cc.max_entropy_share)
+        self.next_version = first_version  # after a drafter group restart the engine's numbering goes on
+        self.buffer = ReplayBuffer(self.cc.buffer_rounds, self.cc.holdout, seed, self.cc.max_entropy_share,
+                                   int(self.cc.buffer_bytes))
         self._lock = threading.Lock()
         self._inbox: list[SequenceSample] = []
+        self._inbox_bytes = 0
         self._inbox_lock = threading.Lock()
+        self.inbox_dropped = 0  # sequences refused while the inbox held buffer_bytes (training kept it from draining)
+        self.nonfinite_steps = 0  # optimiser steps skipped for a loss that was not finite
         self._rng = random.Random(seed)
         self._engine = None  # DeepSpeed's, made at the first update (importing DeepSpeed takes seconds)
+        self._scratch: Optional[DSparkDrafter] = None  # scores the serving version in the shadow evaluation
         self.pending: Optional[Candidate] = None
         self.updates = self.steps = 0
         self.rounds_trained = 0  # rounds the serving line of versions was trained on
@@ -415,22 +442,26 @@ class Calibrator:
         self.last_error: Optional[str] = None
         self._rounds_at_update = 0
         self._offered, self._offered_t = None, 0.0  # a candidate taken, until the engine says what serves
-        self._path = Path(sp.draft_model)
 
     # ---- data ---------------------------------------------------------------------------------
     def add(self, samples: list[SequenceSample]) -> None:
         """Take finished sequences (cheap: filtering and storing happen in take_inbox, on the
         calibrator's own, low-priority thread)."""
         with self._inbox_lock:
-            self._inbox.extend(samples)
+            for s in samples:
+                if self._inbox_bytes + s.nbytes > self.buffer.max_bytes:
+                    self.inbox_dropped += 1
+                    continue
+                self._inbox.append(s)
+                self._inbox_bytes += s.nbytes
 
     def take_inbox(self) -> None:
         with self._inbox_lock:
-            samples, self._inbox = self._inbox, []
-        if samples:
+            samples, self._inbox, self._inbox_bytes = self._inbox, [], 0
+        for s in samples:
+            prepared = self.buffer.prepare(s, self.vocab_size)  # the filtering, outside the lock
             with self._lock:
-                for s in samples:
-                    self.buffer.add(s, self.vocab_size)
+                self.buffer.insert(*prepared)
 
     def ready(self) -> bool:
         """Enough rounds for an update, and new ones since the last."""
@@ -441,17 +472,21 @@ class Calibrator:
         return n >= self.cc.min_rounds and kept > self._rounds_at_update and not waiting
 
     # ---- versions -----------------------------------------------------------------------------
-    def set_serving(self, version: int) -> None:
-        """The engine published or rolled back to `version`: train on from its weights."""
+    def set_serving(self, version: int, keep=None) -> None:
+        """The engine published or rolled back to `version`: train on from its weights. `keep`: the
+        versions the engine may still roll back to (the others are dropped here too)."""
         with self._lock:
             self._offered = None
             if version not in self.versions:
-                raise KeyError(version)
+                raise KeyError(f"drafter version {version} is not held by the calibrator ({sorted(self.versions)})")
             if version != self.serving:
                 self.serving = version
                 self.model.load_trained(self.versions[version])
                 self.model.train()
                 self.pending = None  # made from another base
+            if keep is not None:
+                for v in [v for v in self.versions if v not in set(keep) | {0, version}]:
+                    self.versions.pop(v)
 
     def take_candidate(self) -> Optional[Candidate]:
         with self._lock:
@@ -463,8 +498,6 @@ class Calibrator:
     # ---- training -----------------------------------------------------------------------------
     def _deepspeed(self):
         if self._engine is None:
-            import os
-
             os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device.type == "cuda" else "cpu")
             os.environ.setdefault("LOCAL_RANK", "0")  # what a DeepSpeed launcher would set
             import deepspeed
@@ -503,24 +536,32 @@ class Calibrator:
         n_seq = max(1, self.cc.batch_rounds // ROUNDS_PER_SEQUENCE)
         metrics = {}
         for _ in range(self.cc.steps_per_update):
-            # batch_rounds rounds: ROUNDS_PER_SEQUENCE of each of a few sequences, one context each
-            picked = self._rng.sample(by_seq, min(n_seq, len(by_seq)))
-            batch = collate([(s, self._rng.sample(idx, min(ROUNDS_PER_SEQUENCE, len(idx)))) for s, idx in picked],
-                            S, self.device)
+            # batch_rounds rounds: ROUNDS_PER_SEQUENCE consecutive rounds of each of a few sequences,
+            # one context forward each (consecutive: their context windows overlap most)
+            groups = []
+            for s, idx in self._rng.sample(by_seq, min(n_seq, len(by_seq))):
+                a = self._rng.randrange(max(1, len(idx) - ROUNDS_PER_SEQUENCE + 1))
+                groups.append((s, idx[a : a + ROUNDS_PER_SEQUENCE]))
+            batch = collate(groups, S, self.device)
             z, conf = forward(engine.module, batch)
             loss, metrics = round_losses(z, conf, batch, self.cc.reject_weight)
+            if not bool(torch.isfinite(loss)):  # never let one bad batch into the optimiser's moments
+                self.nonfinite_steps += 1
+                continue
             engine.backward(loss)
             engine.step()
             self.steps += 1
         self.updates += 1
         self.model.load_trained(self.model.state_dict())  # drop the cached Markov factors
-        cand = shadow_scores(self.model, hold, S, self.device)
-        ref_model = _scratch_model(self, serving_state)
-        serve = shadow_scores(ref_model, hold, S, self.device)
+        try:
+            cand = shadow_scores(self.model, hold, S, self.device)
+            serve = shadow_scores(_scratch_model(self, serving_state), hold, S, self.device)
+        finally:
+            self.model.train()
         wins = cand["tau"] >= serve["tau"] * (1 + self.cc.margin) and cand["match"] >= serve["match"] * (1 - self.cc.margin)
         record = {"update": self.updates, "time": time.time(), "base_version": base_version,
                   "train_rounds": len(train), "holdout_rounds": len(hold), "steps": self.cc.steps_per_update,
-                  "loss": round(float(loss.detach()), 4), **{k: round(v, 4) for k, v in metrics.items()},
+                  "loss": round(float(loss.detach()), 4), "nonfinite_steps": self.nonfinite_steps, **{k: round(v, 4) for k, v in metrics.items()},
                   "shadow": _round(cand), "serving_shadow": _round(serve), "seconds": round(time.perf_counter() - t0, 2),
                   # monotonic clock (one per machine): which serving steps ran while this update trained
                   "t_start": start, "t_end": time.monotonic()}
@@ -534,10 +575,6 @@ class Calibrator:
                 self.rounds_trained += len(train)
                 state = _cpu_state(self.model)
                 self.versions[v] = state
-                # kept: the original, the serving one and the newest keep_versions (as the engine keeps them)
-                keep = {0, self.serving, *sorted(k for k in self.versions if k)[-self.cc.keep_versions:]}
-                for old in [k for k in self.versions if k not in keep]:
-                    self.versions.pop(old)
                 self.pending = Candidate(v, state, {"version": v, "rounds_trained": self.rounds_trained,
                                                     "shadow": record["shadow"], "serving_shadow": record["serving_shadow"],
                                                     "time": time.time(), "base_version": base_version})
@@ -562,15 +599,13 @@ class Calibrator:
     def status(self) -> dict:
         self.take_inbox()
         with self._lock:
-            return {"buffer": self.buffer.state(), "updates": self.updates, "optimizer_steps": self.steps,
+            return {"buffer": self.buffer.state(), "inbox_dropped_sequences": self.inbox_dropped, "updates": self.updates, "optimizer_steps": self.steps,
                     "serving": self.serving, "versions_kept": sorted(self.versions),
                     "pending_candidate": None if self.pending is None else self.pending.version,
                     "last_updates": self.history[-5:], "last_error": self.last_error}
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -584,17 +619,13 @@ def _round(d: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def _scratch_model(cal: Calibrator, state: dict):
-    """A second drafter for scoring the serving version (kept between updates)."""
-    m = getattr(cal, "_scratch", None)
-    if m is None:
-        from .dspark_model import DSparkDrafter
-
-        m = DSparkDrafter(cal.c).to(cal.device)
-        m.set_target_tables(cal.model.embed, cal.model.lm_head)
-        cal._scratch = m
-    m.load_trained(state)
-    return m.eval()
+def _scratch_model(cal: Calibrator, state: dict) -> DSparkDrafter:
+    """The calibrator's second drafter (made once), holding `state`, for scoring the serving version."""
+    if cal._scratch is None:
+        cal._scratch = DSparkDrafter(cal.c).to(cal.device)
+        cal._scratch.set_target_tables(cal.model.embed, cal.model.lm_head)
+    cal._scratch.load_trained(state)
+    return cal._scratch.eval()
 
 
 class CalibrationLoop:
@@ -609,8 +640,6 @@ class CalibrationLoop:
         self.thread.start()
 
     def _run(self) -> None:
-        import os
-
         # background work: where the calibrator shares CPU cores with serving (a thread in process,
         # or an actor on a CPU node), the serving threads come first
         with contextlib.suppress(OSError, AttributeError):
@@ -621,10 +650,10 @@ class CalibrationLoop:
             self._wake.clear()
             if self._stop.is_set():
                 continue
-            self.calibrator.take_inbox()  # filtering and storing at this thread's low priority
-            if time.monotonic() - last < self.interval_s or not self.calibrator.ready():
-                continue
             try:
+                self.calibrator.take_inbox()  # filtering and storing at this thread's low priority
+                if time.monotonic() - last < self.interval_s or not self.calibrator.ready():
+                    continue
                 self.calibrator.update()
             except Exception as e:  # noqa: BLE001 -- a calibration failure leaves the serving drafter as it is
                 self.calibrator.last_error = f"{type(e).__name__}: {e}"
@@ -669,6 +698,10 @@ class DrafterVersions:
 
     def _deque(self) -> deque:
         return deque(maxlen=self.TRIAL_WINDOWS * self.window_rounds)
+
+    def pin(self) -> None:
+        """Hold the serving version (a manual rollback): nothing publishes, and it is not on trial."""
+        self.pinned, self.trial = True, None
 
     def live_tau(self, version: int) -> Optional[float]:
         w = self.live.get(version)

@@ -93,7 +93,7 @@ class RayDrafterGroup:
     split among the groups by id; every rank of a group gets the same calls (SPMD) and the group's
     proposals are its TP rank 0's."""
 
-    def __init__(self, cfg, timeout_s: float = 30.0, startup_timeout_s: float = 300.0):
+    def __init__(self, cfg, timeout_s: float = 30.0, startup_timeout_s: float = 300.0, first_version: int = 1):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -132,7 +132,7 @@ class RayDrafterGroup:
                 cal_device = "cuda" if device == "cuda" and gpus >= cfg.parallel.world_size + n + 1 else "cpu"
                 self.calibrator = ray.remote(Calibrator).options(
                     name=calibrator_name, max_concurrency=4, num_cpus=1 if cal_device == "cpu" else 0,
-                    num_gpus=1 if cal_device == "cuda" else 0).remote(cfg.to_dict(), cal_device, threads)
+                    num_gpus=1 if cal_device == "cuda" else 0).remote(cfg.to_dict(), cal_device, threads, first_version)
             # a DSpark drafter also takes context rows from the target's workers while a proposal waits for them
             concurrency = 2 if cfg.speculative.method == "dspark" else 1
             for rank in range(n):
@@ -149,7 +149,13 @@ class RayDrafterGroup:
             addr, port = self._gather([self.actors[0].node_address.remote()], startup_timeout_s)[0]
             self.reports = self._gather([a.setup.remote(addr, port) for a in self.actors], startup_timeout_s)
             if self.calibrator is not None:
-                self._gather([self.calibrator.ready.remote()], startup_timeout_s)
+                try:
+                    self._gather([self.calibrator.ready.remote()], startup_timeout_s)
+                except Exception as e:  # noqa: BLE001 -- the drafters serve without it (the original weights)
+                    log.warning("drafter calibration off: the calibrator did not start (%s: %s)", type(e).__name__, e)
+                    with contextlib.suppress(Exception):
+                        ray.kill(self.calibrator, no_restart=True)
+                    self.calibrator = None
         except BaseException:
             self.shutdown()
             raise
@@ -317,26 +323,39 @@ class Drafter:
             try:
                 self._calibration_poll(step)
             except Exception as e:  # noqa: BLE001 -- a calibration failure leaves the serving version as it is
-                log.warning("drafter calibration: a candidate could not be published (%s: %s)", type(e).__name__, e)
+                log.warning("drafter calibration: a candidate could not be published (%s: %s); asking again in 30 s",
+                            type(e).__name__, e)
                 self._staging = self._cand_ref = None
+                self._cand_t = time.monotonic() + 30.0  # a calibrator that keeps failing is not asked every second
                 self._tell_calibrator(self.versions.serving)
         return restarted
 
     # ---- online calibration ----------------------------------------------------------------------
     def _keep(self, version: int) -> set:
-        """Versions the drafters hold: the original, the serving one and the newest keep_versions."""
+        """Versions the drafters hold: the original, the serving one, its predecessor (an automatic
+        rollback's target) and the newest keep_versions."""
         newest = sorted(v for v in self.available | {version} if v)[-self.cfg.speculative.calibration.keep_versions:]
-        return {0, self.versions.serving, *newest}
+        return {0, self.versions.serving, *newest} | ({self.versions.predecessor} - {None})
 
     def _tell_calibrator(self, version: int) -> None:
-        if self.calibrator is not None:
-            self.calibrator.set_serving(version)
-        elif isinstance(self.backend, RayDrafterGroup) and self.backend.calibrator is not None:
-            self.backend.calibrator.set_serving.remote(version)
+        """Which version serves now, and which the calibrator must keep (never raises: a calibrator
+        failure costs calibration, not serving)."""
+        try:
+            if self.calibrator is not None:
+                self.calibrator.set_serving(version, self.available)
+            elif isinstance(self.backend, RayDrafterGroup) and self.backend.calibrator is not None:
+                self.backend.calibrator.set_serving.remote(version, tuple(self.available))
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafter calibration: the calibrator did not take version %d (%s: %s)", version,
+                        type(e).__name__, e)
+
+    def _next_version(self) -> int:
+        """The first version number a new calibrator may use (a restarted group goes on numbering)."""
+        return 1 + max(h["version"] for h in self.versions.history) if self.versions is not None else 1
 
     def _publish(self, version: int, meta: dict, step: int) -> None:
-        self.available = self._keep(version)
         self.versions.switch(version, "publish", step, meta)
+        self.available = self._keep(version)  # with the new predecessor (the version it replaced)
         self._tell_calibrator(version)
         log.info("drafter version %d published (shadow tau %s)", version, (meta.get("shadow") or {}).get("tau"))
 
@@ -405,7 +424,7 @@ class Drafter:
         if target != self.versions.serving:
             self.versions.switch(target, "manual rollback", step)
             self._tell_calibrator(target)
-        self.versions.pinned = True
+        self.versions.pin()
         if self._staging is not None:  # a version on its way out to the drafters is not published
             self._staging = None
         return self.status()
@@ -444,7 +463,7 @@ class Drafter:
 
         def start():
             try:
-                group = RayDrafterGroup(self.cfg)
+                group = RayDrafterGroup(self.cfg, first_version=self._next_version())
             except Exception as e:  # noqa: BLE001 -- stays on plain decoding
                 log.warning("drafter group restart failed (%s: %s); continuing without speculation",
                             type(e).__name__, e)

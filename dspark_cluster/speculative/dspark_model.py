@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import CheckpointError, ConfigError
+
 
 @dataclass
 class DSparkConfig:
@@ -236,20 +238,23 @@ class DSparkDrafter(nn.Module):
 
 
     # ---- online calibration: recorded verify rounds, several per sequence over one context ----
-    def forward_rounds(self, target_hidden, ctx_pos, ctx_valid, anchors, anchor_pos, prev):
+    def forward_rounds(self, target_hidden, ctx_pos, ctx_valid, anchors, anchor_pos, prev, window=None):
         """The serving computation (block_forward + the Markov head) for A recorded rounds of each
         of B sequences, with gradients; each sequence's context keys/values are computed once for
         all its rounds. target_hidden [B, C, n_layers * H_target] context rows (padded), ctx_pos
         [B, C] their positions, ctx_valid [B, C] bool; anchors [B, A] token ids at anchor_pos [B, A];
         prev [B, A, S] the token before each slot (slot 0: the anchor; slot j: draft j). A block sees
-        the context before its anchor and its own slots. Returns (z [B, A, S, V] Markov-corrected
+        the context before its anchor (the last `window` rows of it, when given) and its own slots. Returns (z [B, A, S, V] Markov-corrected
         logits, confidence logits [B, A, S] or None)."""
         B, A = anchors.shape
         S, dev = self.c.block_size, anchors.device
         ctx = self.fuse(target_hidden)
         x = self.block_input(anchors.reshape(-1), S).view(B, A * S, -1)
         qpos = (anchor_pos[:, :, None] + torch.arange(S, device=dev)).reshape(B, A * S)
-        see_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < anchor_pos.repeat_interleave(S, dim=1)[:, :, None])
+        q_anchor = anchor_pos.repeat_interleave(S, dim=1)[:, :, None]  # [B, A*S, 1]
+        see_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < q_anchor)
+        if window is not None:
+            see_ctx = see_ctx & (ctx_pos[:, None, :] >= q_anchor - window)
         blk = torch.arange(A * S, device=dev) // S
         mask = torch.cat([see_ctx, (blk[:, None] == blk[None, :]).expand(B, -1, -1)], dim=2)
         for layer in self.layers:
@@ -308,11 +313,27 @@ def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
     state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        from ..errors import CheckpointError
-
         raise CheckpointError(f"{path}: DSpark drafter tensors missing {missing[:4]} or unexpected {unexpected[:4]}")
     model.set_target_tables(target_embed.float(), target_lm_head.float())
     return model.to(device).eval()
+
+
+def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target checkpoint's input embedding and LM head (the drafter shares them, frozen)."""
+    from safetensors import safe_open
+
+    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for f in sorted(Path(target_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in want:
+                if name in st.keys():
+                    want[name] = st.get_tensor(name)
+    if want["lm_head.weight"] is None and spec.tie_word_embeddings:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]
+    if any(v is None for v in want.values()):
+        raise ConfigError(f"speculative.draft_model: the target {target_path} lacks {[k for k, v in want.items() if v is None]}"
+                          " (a DSpark drafter needs the target's embedding and LM head)")
+    return want["model.embed_tokens.weight"], want["lm_head.weight"]
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:

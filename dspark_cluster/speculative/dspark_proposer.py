@@ -23,7 +23,7 @@ from ..sampling import filter_logits
 from .spec_decode import Proposal, _generator
 from .calibration import RoundRecords, SequenceSample
 from .context import ContextRows
-from .dspark_model import DSparkConfig, load_drafter, tensor_fingerprint
+from .dspark_model import DSparkConfig, load_drafter, target_tables, tensor_fingerprint
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
@@ -44,24 +44,6 @@ class _Context:
     # from them) and the sequence's recorded verify rounds
     kept: list = field(default_factory=list)  # (start, rows)
     rounds: list = field(default_factory=list)  # RoundRecords
-
-
-def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target checkpoint's input embedding and LM head (the drafter shares them, frozen)."""
-    from safetensors import safe_open
-
-    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-    for f in sorted(Path(target_path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in want:
-                if name in st.keys():
-                    want[name] = st.get_tensor(name)
-    if want["lm_head.weight"] is None and spec.tie_word_embeddings:
-        want["lm_head.weight"] = want["model.embed_tokens.weight"]
-    if any(v is None for v in want.values()):
-        raise ConfigError(f"speculative.draft_model: the target {target_path} lacks {[k for k, v in want.items() if v is None]}"
-                          " (a DSpark drafter needs the target's embedding and LM head)")
-    return want["model.embed_tokens.weight"], want["lm_head.weight"]
 
 
 def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
@@ -140,8 +122,9 @@ class DSparkProposer:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
             st.kv_length = min(st.kv_length, start)
             st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
-        if self.calibrate:
-            st.kept.append((start, hidden.to(torch.float16)))
+        if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
+            st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
+                            else hidden.clamp(-65504, 65504).to(torch.float16)))
         # a view of the step's rows (no copy per sequence per step): it keeps that step's tensor alive
         # until every sequence in it has drafted or ended, at most the rows the live sequences own
         st.raw.append((start, hidden))
