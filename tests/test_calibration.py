@@ -70,6 +70,10 @@ def test_filter_drops_what_would_teach_the_drafter_wrong():
     kept, dropped = filter_sample(sample(bad), 16)
     assert dropped == {"inconsistent_law": 1, "extreme_entropy": 1, "invalid_law": 1, "missing_context": 1}
     assert len(kept) == 2
+    tie = copy.deepcopy(r)  # greedy with tied top logits: the committed token may be listed second
+    tie.topk_logprobs[:, :, :2] = math.log(0.4)
+    tie.topk_ids[0, 0, :2] = tie.topk_ids[0, 0, [1, 0]]
+    assert filter_sample(sample(tie), 16)[1] == {}
     loop = rounds(8)  # a degenerate repeat: "7 8 7 8 ..."
     loop.anchor[:] = 7
     loop.out_tokens[:] = torch.tensor([8, 7, 8, 7])

@@ -186,8 +186,11 @@ def filter_sample(sample: SequenceSample, vocab_size: int, max_entropy_share: fl
     drop(ent > max_entropy_share * math.log(vocab_size), "extreme_entropy")
     committed = j[None, :] < r.num_tokens[:, None]  # positions whose next token the round committed
     tok = r.out_tokens[:, :K1]
-    in_top = (r.topk_ids == tok[..., None]).any(-1)
-    top1 = r.topk_ids[..., 0] == tok
+    hit = r.topk_ids == tok[..., None]  # [R, K+1, k]
+    in_top = hit.any(-1)
+    # a greedy token must be a top-1; by log-prob, not id: tied logits may list another id first
+    tok_logp = torch.where(hit, r.topk_logprobs, torch.full_like(r.topk_logprobs, -math.inf)).amax(-1)
+    top1 = in_top & (tok_logp >= r.topk_logprobs[..., 0] - 1e-6)
     bad = torch.where(r.greedy[:, None], ~top1, ~in_top & (lse.exp() >= tail_mass))
     drop((bad & committed).any(1), "inconsistent_law")
     # degenerate repeats: the committed tokens of the rounds in order, each round judged on the window before it
