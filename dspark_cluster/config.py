@@ -141,11 +141,14 @@ class EplbConfig(_Section):
     min_gain: float = Field(0.02, ge=0)  # rebalance only when balancedness would rise by this much
 
 
+DEFAULT_PROMPT_LEN = [8, 256]
+
+
 class WorkloadConfig(_Section):
     kind: Literal["prompts", "synthetic", "jsonl"] = "prompts"
     path: Optional[str] = None  # jsonl file for kind=jsonl; default prompt set for kind=prompts
     num_requests: int = Field(32, ge=1)
-    prompt_len: list[int] = Field(default_factory=lambda: [8, 256], min_length=2, max_length=2)
+    prompt_len: list[int] = Field(default_factory=lambda: list(DEFAULT_PROMPT_LEN), min_length=2, max_length=2)
     output_len: list[int] = Field(default_factory=lambda: [8, 128], min_length=2, max_length=2)
     request_rate: float = Field(0.0, ge=0)  # requests/s, Poisson; 0 = all at once
     temperature: float = Field(0.0, ge=0)
@@ -161,6 +164,10 @@ class WorkloadConfig(_Section):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}: got [{lo}, {hi}]; expected [min, max] with 1 <= min <= max")
+        # (compared with the default, not "was it set": a config round-trips through to_dict to the Router)
+        if self.kind != "synthetic" and self.prompt_len != DEFAULT_PROMPT_LEN:
+            raise ValueError(f"prompt_len: got {self.prompt_len} with kind {self.kind!r}, whose prompts keep their own "
+                             "lengths; remove prompt_len, or use kind synthetic for prompts of chosen lengths")
         return self
 
 

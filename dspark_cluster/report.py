@@ -19,7 +19,7 @@ import numpy as np
 REQUEST_COLUMNS = (
     "request_id",
     "finish_reason",
-    "arrival_time",
+    "arrival_s",
     "ttft_s",
     "tpot_s",
     "e2e_s",
@@ -86,6 +86,13 @@ def summarize(requests: list[dict], steps: list[dict], duration_s: float, kv_blo
     }
 
 
+def expert_max_over_mean(expert_load_total) -> float:
+    """[layers][experts] tokens routed -> the busiest expert's load over the mean expert's, averaged
+    over layers (1 = every expert equally busy)."""
+    total = np.asarray(expert_load_total, dtype=float)
+    return float(np.mean(total.max(axis=1) / np.maximum(total.mean(axis=1), 1e-9)))
+
+
 def _num(value, scale: float = 1.0, fmt: str = ".1f") -> str:
     if value is None:
         return "n/a"
@@ -107,6 +114,8 @@ def format_summary(summary: dict) -> str:
         ("KV blocks peak / total", f"{s.get('kv_blocks_peak', 'n/a')} / {s.get('kv_blocks_total', 'n/a')}"),
         ("preemptions", f"{s.get('preemptions', 'n/a')}"),
     ]
+    if "expert_load_max_over_mean" in s:
+        rows.append(("expert load max / mean (one rank)", _num(s["expert_load_max_over_mean"], 1, ".2f")))
     if "balancedness_mean" in s:
         rows.append(("expert balancedness (window)", f"{_num(s['balancedness_mean'], 1, '.3f')}, {s.get('rebalances', 0)} rebalances"))
     spec = s.get("speculative")
@@ -159,8 +168,13 @@ def write_report(report: dict, out_dir) -> list[Path]:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS, extrasaction="ignore")
         writer.writeheader()
+        # arrival_s: seconds since the run's first arrival (the engine's arrival_time is a monotonic clock)
+        t0 = min((r["arrival_time"] for r in requests if r.get("arrival_time") is not None), default=0.0)
         for r in requests:
-            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in REQUEST_COLUMNS})
+            row = {k: ("" if r.get(k) is None else r.get(k)) for k in REQUEST_COLUMNS}
+            if r.get("arrival_time") is not None:
+                row["arrival_s"] = round(r["arrival_time"] - t0, 6)
+            writer.writerow(row)
     paths.append(path)
 
     import matplotlib
@@ -227,19 +241,26 @@ def _step_series(steps, key, scale=1.0):
 
 
 def _plot_kv_usage(plt, requests, steps, kv_total):
+    """Blocks in use on their own scale (a run that uses 2% of the pool is not a flat line at 0), the
+    peak as a share of the pool in the title; the pool's size is drawn only when it is on the scale."""
     fig, (ax_kv, ax_bs) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, layout="constrained")
     xs, used = _step_series(steps, "kv_blocks_used")
-    ax_kv.set_title("KV cache blocks in use")
+    peak = max(used, default=0)
+    share = f", peak {peak:g} = {100 * peak / kv_total:.1f}% of {kv_total}" if kv_total else ""
+    ax_kv.set_title(f"KV cache blocks in use{share}")
     ax_kv.set_ylabel("blocks")
     if xs:
         ax_kv.step(xs, used, where="post", color="tab:blue", label="used")
+        ax_kv.axhline(peak, color="tab:blue", ls=":", lw=1, label=f"peak ({peak:g})")
     else:
         _no_data(ax_kv)
-    if kv_total is not None:
+    top = max(peak * 1.25, 1)
+    if kv_total is not None and kv_total <= top:
         ax_kv.axhline(kv_total, color="tab:red", ls="--", label=f"total ({kv_total})")
-        ax_kv.set_ylim(0, kv_total * 1.3 if kv_total else 1)  # headroom for the legend above the line
+        top = kv_total * 1.3  # headroom for the legend above the line
+    ax_kv.set_ylim(0, top)
     if xs or kv_total is not None:
-        ax_kv.legend(loc="upper left", ncol=2, fontsize=8)
+        ax_kv.legend(loc="upper left", ncol=3, fontsize=8)
     xs, seqs = _step_series(steps, "num_seqs")
     ax_bs.set_title("Batch size (sequences scheduled per step)")
     ax_bs.set_ylabel("sequences")
@@ -344,6 +365,7 @@ def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 2.5 + 0.25 * total.shape[0]))
     im = ax.imshow(total, aspect="auto", cmap="magma", interpolation="nearest")
     ax.set(xlabel="logical expert", ylabel="MoE layer", title="tokens routed per expert (whole run)")
+    _integer_ticks(ax, total.shape[1], total.shape[0])
     fig.colorbar(im, ax=ax, label="tokens")
     fig.tight_layout()
     paths.append(out / "expert_load_heatmap.png")
@@ -358,12 +380,20 @@ def plot_expert_heatmaps(experts: dict, out_dir) -> list[Path]:
         for e in experts.get("rebalances", []):
             ax.axvline(e["committed_at_step"], color="black", lw=1)
         ax.set(xlabel="step (black: rebalance committed)", ylabel="rank", title="tokens per rank / mean rank, per step")
+        _integer_ticks(ax, None, h.shape[0])
         fig.colorbar(im, ax=ax, label="load / mean (1 = balanced)")
         fig.tight_layout()
         paths.append(out / "rank_load_heatmap.png")
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def _integer_ticks(ax, nx, ny) -> None:
+    """Ticks on whole cells only (layers, experts, ranks), at most ~16 per axis."""
+    for n, set_ticks in ((nx, ax.set_xticks), (ny, ax.set_yticks)):
+        if n:
+            set_ticks(list(range(0, n, max(1, -(-n // 16)))))
 
 
 def machine_info() -> str:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .config import Config
-from .report import plot_expert_heatmaps, summarize, write_report
+from .report import expert_max_over_mean, plot_expert_heatmaps, summarize, write_report
 from .workload import make_workload
 
 
@@ -60,8 +60,11 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
         summary["speculative"] = raw["speculative"]
     experts = raw.get("experts")
     if experts:
-        summary["balancedness_mean"] = experts["balancedness_mean"]
-        summary["rebalances"] = len(experts["rebalances"])
+        if cfg.parallel.world_size > 1:
+            summary["balancedness_mean"] = experts["balancedness_mean"]
+            summary["rebalances"] = len(experts["rebalances"])
+        else:  # one rank is balanced by definition: how uneven the experts themselves are says more
+            summary["expert_load_max_over_mean"] = expert_max_over_mean(experts["expert_load_total"])
     report = {"config": cfg.to_dict(), "summary": summary, "requests": raw["requests"], "steps": raw["steps"],
               "experts": experts}
     name = cfg.report.name or time.strftime("run-%Y%m%d-%H%M%S")

@@ -50,6 +50,9 @@ BAD = [
     ({"modle": {"path": "x"}}, "modle"),
     ({"model": {"dtype": "int8"}}, "model.dtype"),
     ({"workload": {"request_rate": -1.0}}, "workload.request_rate"),
+    ({"workload": {"kind": "prompts", "prompt_len": [4, 8]}}, "prompt_len"),  # the prompt set's lengths are its own
+    ({"speculative": {"method": "ngram", "calibration": {"enabled": True}}}, "calibration.enabled"),
+    ({"speculative": {"calibration": {"learning_rate": 0}}}, "speculative.calibration.learning_rate"),
 ]
 
 

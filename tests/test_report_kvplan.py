@@ -50,6 +50,33 @@ def test_write_report_files(tmp_path):
     for name in ("latency.png", "kv_usage.png", "step_time.png"):
         data = (tmp_path / "run" / name).read_bytes()
         assert len(data) > 1000 and data[:8] == PNG_MAGIC
+    col = REQUEST_COLUMNS.index("arrival_s")  # seconds since the first arrival, not the engine's clock
+    assert [float(r[col]) for r in rows[1:]] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_one_rank_reports_expert_skew_not_balancedness():
+    from dspark_cluster.report import expert_max_over_mean
+
+    assert expert_max_over_mean([[1, 1, 1, 1], [4, 0, 0, 0]]) == pytest.approx((1 + 4) / 2)
+    text = format_summary({"expert_load_max_over_mean": 2.5})
+    assert "expert load max / mean (one rank)  2.50" in text and "balancedness" not in text
+
+
+def test_kv_panel_shows_a_small_use_of_a_large_pool():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dspark_cluster.report import _plot_kv_usage
+
+    steps = _steps(40)  # at most 12 blocks used
+    fig = _plot_kv_usage(plt, [], steps, 13107)
+    ax = fig.axes[0]
+    assert ax.get_ylim()[1] < 20 and "peak 12 = 0.1% of 13107" in ax.get_title()
+    fig = _plot_kv_usage(plt, [], steps, 14)  # a pool the run nearly fills: its line is drawn
+    assert fig.axes[0].get_ylim()[1] > 14
+    plt.close("all")
 
 
 def test_report_of_a_calibrating_run_plots_tau_by_drafter_version(tmp_path):
