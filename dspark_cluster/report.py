@@ -259,7 +259,7 @@ def _plot_kv_usage(plt, requests, steps, kv_total):
         ax_kv.axhline(kv_total, color="tab:red", ls="--", label=f"total ({kv_total})")
         top = kv_total * 1.3  # headroom for the legend above the line
     ax_kv.set_ylim(0, top)
-    if xs or kv_total is not None:
+    if ax_kv.get_legend_handles_labels()[0]:
         ax_kv.legend(loc="upper left", ncol=3, fontsize=8)
     xs, seqs = _step_series(steps, "num_seqs")
     ax_bs.set_title("Batch size (sequences scheduled per step)")
