@@ -47,8 +47,5 @@ class Calibrator:
     def updates_log(self) -> list:
         return self.core.updates_log()
 
-    def kick(self) -> None:
-        self.loop.kick()
-
     def shutdown(self) -> None:
         self.loop.stop()

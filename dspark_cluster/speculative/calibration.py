@@ -663,10 +663,6 @@ class CalibrationLoop:
                 log.warning("drafter calibration update failed (%s); the serving drafter is unchanged", e, exc_info=e)
             last = time.monotonic()  # the interval runs from the end of an update: it is idle time
 
-    def kick(self) -> None:
-        """Run an update now if one is due (tests)."""
-        self._wake.set()
-
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
