@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter, deque
@@ -30,6 +29,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
+
+from parallel.state import init_world_of_one
 
 from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter, target_tables
 
@@ -505,9 +506,9 @@ class Calibrator:
             os.environ.setdefault("LOCAL_RANK", "0")  # what a DeepSpeed launcher would set
             import deepspeed
 
-            # DeepSpeed wants a process group: the calibrator is a world of one (a no-op when one exists)
-            deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo", auto_mpi_discovery=False,
-                                       init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            # DeepSpeed wants a process group: the calibrator is a world of one (no port: an in-memory store)
+            init_world_of_one(self.device)
+            deepspeed.init_distributed(auto_mpi_discovery=False)  # wraps the group that exists
             ds_cfg = {
                 "train_micro_batch_size_per_gpu": self.cc.batch_rounds, "gradient_accumulation_steps": 1,
                 "gradient_clipping": 1.0, "steps_per_print": 10**9,
@@ -606,12 +607,6 @@ class Calibrator:
                     "serving": self.serving, "versions_kept": sorted(self.versions),
                     "pending_candidate": None if self.pending is None else self.pending.version,
                     "last_updates": self.history[-5:], "last_error": self.last_error}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cpu_state(model) -> dict:
