@@ -44,6 +44,9 @@ class Calibrator:
     def status(self) -> dict:
         return self.core.status()
 
+    def memory_report(self) -> dict:
+        return self.core.memory_report()
+
     def updates_log(self) -> list:
         return self.core.updates_log()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from dspark_cluster.cost import label_names, ledger_metrics
+
 _LATENCY = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -41,6 +43,7 @@ class RayMetrics:
                                     tag_keys=tags)
         self.drafter_version = Gauge("dspark_drafter_version", "The drafter version serving (online calibration)",
                                      tag_keys=tags)
+        self._ledger: dict = {}  # cost gauges by name, declared at their first sample
         self.restarts = Counter("dspark_engine_restarts_total", "Restarts of the target's workers after a lost worker",
                                 tag_keys=tags)
 
@@ -58,6 +61,14 @@ class RayMetrics:
         if s["num_verified"]:
             self.verified.inc(s["num_verified"], self.tags)
         self.drafter_version.set(s.get("drafter_version", 0), self.tags)
+
+    def observe_ledger(self, ledger: dict) -> None:
+        """The cost gauges, declared from the core's one table (cost.ledger_metrics)."""
+        for name, help_text, labels, value in ledger_metrics(ledger):
+            gauge = self._ledger.get(name)
+            if gauge is None:
+                gauge = self._ledger[name] = Gauge(name, help_text, tag_keys=("model", *label_names(name)))
+            gauge.set(value, {**self.tags, **labels})
 
     def observe_restarts(self, count: int) -> None:
         self.restarts.inc(count, self.tags)

@@ -92,10 +92,12 @@ class ShardWorker:
 
         return plan_num_blocks(self.model, block_size, memory_bytes, num_kv_blocks)
 
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        from dspark_cluster.kv_cache import allocate_kv_cache
+    def allocate_kv(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the KV pool; returns the bytes one block takes on this rank."""
+        from dspark_cluster.kv_cache import allocate_kv_cache, kv_bytes_per_block
 
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
+        return kv_bytes_per_block(self.model, block_size)
 
     def step(self, data: bytes) -> bytes:
         """One round: a pickled StepInput (or one per data-parallel group) in, a pickled StepOutput out."""

@@ -48,6 +48,7 @@ class AsyncEngine:
         # workload run records all of its own
         self.finished = deque(maxlen=FINISHED_KEPT)
         self.num_finished = 0
+        self._ledger_t = 0.0  # when the metrics sink last got the cost ledger
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
 
@@ -78,6 +79,11 @@ class AsyncEngine:
                 self.metrics.observe_step(eng.step_stats[-1])
                 if eng.balancer is not None and eng.num_steps % 10 == 0:  # cheap, but not every step
                     self.metrics.observe_experts(eng.balancer.balancedness().tolist(), len(eng.balancer.events))
+                if time.monotonic() - self._ledger_t > 5.0:  # the cost gauges move slowly
+                    self._ledger_t = time.monotonic()
+                    ledger = self._live_ledger()
+                    if ledger is not None:
+                        self.metrics.observe_ledger(ledger)
             self._deliver(events)
 
     def _drain_commands(self) -> None:
@@ -204,6 +210,9 @@ class AsyncEngine:
     async def run_workload(self, requests, on_finish=None) -> dict:
         """Replay a workload in real time: each request is submitted at its arrival offset.
         Returns per-request metrics, step stats and the wall time."""
+        # the cost ledger covers the run only: usage counters from here, the KV peak from zero
+        self.engine.kv_peak_blocks = [0] * self.engine.num_groups
+        usage = await asyncio.to_thread(self.engine.usage, True)
         start = time.monotonic()
         self.finished = []  # this run's requests, all of them
         self.engine.step_record = []
@@ -221,8 +230,11 @@ class AsyncEngine:
             return out
 
         await asyncio.gather(*(one(r) for r in requests))
+        duration = time.monotonic() - start
+        cost = await asyncio.to_thread(self.engine.cost_ledger, usage, len(requests), True)
         return {
-            "duration_s": time.monotonic() - start,
+            "duration_s": duration,
+            "cost": cost,
             "requests": list(self.finished),
             "steps": self.engine.step_record,
             "kv_blocks_total": self.engine.num_blocks * self.engine.num_groups,
@@ -257,7 +269,18 @@ class AsyncEngine:
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.speculative_summary(),
             "verify_budget": eng.step_stats[-1]["verify_budget"] if eng.step_stats else 0,
+            "cost": self._live_ledger(),
         }
+
+    def _live_ledger(self) -> Optional[dict]:
+        """The cost ledger since start, without the bytes communicated (a call to every worker) and
+        with the devices' memory as last read (constant time after the first call); None if it
+        cannot be made (/health must answer whatever the ledger does)."""
+        try:
+            return self.engine.cost_ledger(num_requests=self.num_finished, refresh=False)
+        except Exception as e:  # noqa: BLE001
+            log.warning("cost ledger unavailable (%s: %s)", type(e).__name__, e)
+            return None
 
     def rebalance_now(self) -> None:
         """Ask for an expert rebalance at the next step."""

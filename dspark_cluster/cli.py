@@ -1,4 +1,5 @@
-"""Command line: `dspark run`, `dspark kv-plan`, `dspark serve` and `dspark drafter status|rollback`."""
+"""Command line: `dspark run`, `dspark sweep`, `dspark compare`, `dspark kv-plan`, `dspark serve` and
+`dspark drafter status|rollback|resume`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--max-body-mb", type=float, default=8.0,
                        help="refuse request bodies over this many MiB with a 413 (default 8; 0: no limit)")
+    compare = sub.add_parser("compare", help="two runs side by side, with the gain/cost figure and a verdict")
+    compare.add_argument("run_a", help="the baseline: a run's folder (with report.json) or its report.json")
+    compare.add_argument("run_b", help="the change, likewise")
+    sweep = with_config(sub.add_parser("sweep", help="run the config over a grid of values; a table and plots"))
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY.PATH=V1,V2",
+                       help="values to sweep, e.g. --grid parallel.tensor=1,2 (repeatable; every combination "
+                            "runs); a YAML flow list sets several keys per value: --grid 'speculative=[{method: "
+                            "none}, {method: dspark, draft_model: tiny-dspark}]'")
+    sweep.add_argument("--name", default=None, help="the sweep's folder under report.out_dir (default: sweep-<time>)")
     drafter = sub.add_parser("drafter", help="online drafter calibration on a running server: status, rollback "
                              "(holds the version), resume (lets calibrated versions publish again)")
     drafter.add_argument("action", choices=["status", "rollback", "resume"])
@@ -73,10 +83,47 @@ def _drafter_command(args) -> int:
     return 0
 
 
+def _load_report(path: str) -> dict:
+    """A run's report.json (given its folder or the file), with its cost ledger."""
+    import json
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    p = Path(path)
+    f = p / "report.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ConfigError(f"{path}: no report.json there; give a run's folder (runs/<name>) or its report.json")
+    report = json.loads(f.read_text())
+    if not report.get("cost"):
+        raise ConfigError(f"{f}: the report has no cost ledger (written before the ledger existed); run it again")
+    return report
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "drafter":
         return _drafter_command(args)
+    if args.command == "compare":
+        from .cost import format_comparison
+
+        try:
+            a, b = _load_report(args.run_a), _load_report(args.run_b)
+        except DSparkError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(format_comparison(a, b, "A", "B"))
+        return 0
+    if args.command == "sweep":
+        from .sweep import parse_grid, run_sweep
+
+        try:
+            result = run_sweep(args.config, parse_grid(args.grid), args.overrides, name=args.name)
+        except DSparkError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(open(f"{result['out_dir']}/sweep.md").read())
+        return 0 if any(r["status"] == "ok" for r in result["points"]) else 1
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "run":
@@ -84,7 +131,7 @@ def main(argv=None) -> int:
             from .runner import run_experiment
 
             report = run_experiment(cfg, progress=not args.no_progress)
-            print(format_summary(report["summary"]))
+            print(format_summary(report["summary"], report.get("cost")))
             print(f"report: {report['out_dir']}/")
         elif args.command == "kv-plan":
             from .kv_plan import format_kv_plan, kv_plan

@@ -18,6 +18,7 @@ import time
 import torch
 
 from .config import Config
+from .cost import device_kind
 from .errors import CheckpointError, ConfigError, DSparkError, WorkerError
 from .model.spec import ModelSpec
 from .step import StepInput, from_wire, to_wire
@@ -159,7 +160,8 @@ class Cluster:
             fits = self._get([w.kv_blocks_that_fit.remote(sc.block_size, int(sc.kv_cache_memory), sc.num_kv_blocks)
                               for w in self.workers])
             self.num_blocks = min(fits)
-            self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size) for w in self.workers])
+            self.kv_bytes_per_block = self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size)
+                                                 for w in self.workers])
             nodes = {n for pg in self.placement_groups
                      for n in placement_group_table(pg)["bundles_to_node_id"].values()}
             self.compiled = compiled_graph_wanted(cfg.parallel.compiled_graph, nodes, here)
@@ -314,6 +316,15 @@ class Cluster:
         """Run one step and return rank 0's logits of the sampled rows (parity checks only)."""
         step.return_logits = True
         return self.execute(step).logits
+
+    def device_reports(self) -> list[dict]:
+        """One dict per worker: role, rank, kind, memory by kind (cost.cost_ledger's devices), the
+        data-parallel group its KV pool serves and the bytes of one KV block there."""
+        kind = device_kind(self.device)
+        return [{"role": "target", "rank": r["rank"], "kind": kind, "group": r["rank"] // self.cfg.parallel.tensor,
+                 "kv_bytes_per_block": per_block, "expert_bytes": r["expert_param_bytes"],
+                 "memory": {"weights": r["param_bytes"], "kv_pool": per_block * self.num_blocks}}
+                for r, per_block in zip(self.reports, self.kv_bytes_per_block)]
 
     def comm_stats(self) -> list[dict]:
         return self._get([w.comm_stats.remote() for w in self.workers])

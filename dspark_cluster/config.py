@@ -171,6 +171,17 @@ class WorkloadConfig(_Section):
         return self
 
 
+class DevicePrices(_Section):
+    """Price per device-hour by device kind, in any currency (examples, not facts: set your own)."""
+
+    gpu: float = Field(2.5, ge=0)
+    cpu: float = Field(0.05, ge=0)
+
+
+class CostConfig(_Section):
+    price_per_device_hour: DevicePrices = Field(default_factory=DevicePrices)
+
+
 class ReportConfig(_Section):
     out_dir: str = "runs"
     name: Optional[str] = None
@@ -183,6 +194,7 @@ class Config(_Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
 
     def to_dict(self) -> dict:

@@ -6,6 +6,7 @@ the tokens each request gained. `LLM` drives it; the Ray router drives the same 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -19,7 +20,8 @@ import torch
 
 from .config import Config
 from .errors import EngineError, RequestError, StepError, WorkerError
-from .kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
+from .cost import cost_ledger, device_kind
+from .kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
 from .model.loader import load_model
 from .model.spec import ModelSpec, load_spec
 from .sampling import SamplingParams
@@ -96,6 +98,7 @@ class LocalExecutor:
     def __init__(self, cfg: Config, spec: ModelSpec):
         if cfg.parallel.threads_per_worker:
             torch.set_num_threads(cfg.parallel.threads_per_worker)
+        self.cfg = cfg
         self.device = resolve_device(cfg.parallel.device)
         self.model = load_model(cfg.model.path, spec, device=self.device)
         sc = cfg.scheduler
@@ -111,6 +114,18 @@ class LocalExecutor:
 
     def wait(self, handle: StepOutput) -> StepOutput:
         return handle
+
+    def device_reports(self) -> list[dict]:
+        """This process's device, as Cluster.device_reports gives each worker's."""
+        per_block = kv_bytes_per_block(self.model, self.cfg.scheduler.block_size)
+        expert = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n.endswith((".w13", ".w2")))
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return [{"role": "target", "rank": 0, "kind": device_kind(self.device.type), "group": 0,
+                 "kv_bytes_per_block": per_block, "expert_bytes": expert,
+                 "memory": {"weights": weights, "kv_pool": per_block * self.num_blocks}}]
+
+    def comm_stats(self) -> list[dict]:
+        return []  # one device: no collectives
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.wait(self.submit(step))
@@ -184,6 +199,13 @@ class LLMEngine:
         self._drafter_version = 0  # online calibration: the drafter version the planner's window is of
         cal = cfg.speculative.calibration
         self._record_rounds = self.drafter is not None and cal.enabled
+        # the cost ledger's counters since start (a run's ledger is the difference of two usage() snapshots)
+        self.forward_s_total = 0.0  # the driver ranks' forward seconds
+        self.export_bytes_total = 0
+        self.num_prompt_tokens = self.num_output_tokens = 0
+        self.kv_peak_blocks = [0] * self.num_groups  # per data-parallel group
+        self._devices: Optional[tuple] = None  # (the target's, the drafter's) device reports as last read
+        self._usage_at_start = self.usage()
 
     def _profile_step_cost(self, repeats: int = 5) -> StepCost:
         """T(B) at start-up: greedy verify steps of B tokens (up to the most a step can verify:
@@ -256,6 +278,7 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise RequestError(f"request_id: {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
+        self.num_prompt_tokens += seq.num_prompt_tokens
         # the data-parallel group with the least work takes the request
         min(self.schedulers, key=lambda g: len(g.running) + len(g.waiting)).add(seq)
 
@@ -401,6 +424,7 @@ class LLMEngine:
                     error = e if isinstance(e, WorkerError) else WorkerError(str(e))
                     time.sleep(min(2.0 ** self.num_restarts, 30.0))
             self.num_blocks = self.executor.num_blocks
+            self._devices = None  # new workers: their memory is read again
             for g in self.schedulers:
                 g.requeue_all(BlockManager(self.num_blocks, self.block_size))
             if self.balancer is not None:  # new workers start from the default expert placement
@@ -535,6 +559,7 @@ class LLMEngine:
                                          [len(sampled[s.seq.seq_id]) - 1 for s in drafted])
             for seq, new in g.update(sc.scheduled, sampled):
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
+                self.num_output_tokens += len(new)
         if self.drafter is not None:
             self.drafter.stats.verify_time_s += verify_time
         stats = (
@@ -569,6 +594,10 @@ class LLMEngine:
         if self.planner is not None and not stats["overlapped"] and not step.scheduled_ahead:
             self.planner.step_cost.observe(max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds),
                                            execute_time)
+        self.forward_s_total += stats["forward_s"]
+        self.export_bytes_total += stats["export_bytes"]
+        for i, g in enumerate(self.schedulers):
+            self.kv_peak_blocks[i] = max(self.kv_peak_blocks[i], g.blocks.num_used)
         self.step_stats.append(stats)
         if self.step_record is not None:
             self.step_record.append(stats)
@@ -641,6 +670,87 @@ class LLMEngine:
         if self.drafter.versions is not None:  # online calibration (the calibrator's side: drafter_status())
             out["drafter_versions"] = self.drafter.versions.status()
         return out
+
+    # ---- the cost ledger ------------------------------------------------------------------
+    def usage(self, comm: bool = False) -> dict:
+        """Counters since the engine started, for `cost_ledger`: a run's ledger is the difference of
+        the snapshots at its start and end. comm: also the bytes each rank sent (a call to every
+        worker; left out of the live ledger /metrics reads)."""
+        stats = self.drafter.stats if self.drafter is not None else None
+        out = {
+            "time": time.monotonic(),
+            "process_cpu_s": time.process_time(),  # this process's CPU seconds (the Router's busy time on Ray)
+            "forward_s": self.forward_s_total,
+            "export_bytes": self.export_bytes_total,  # DSpark context rows sent to the drafters
+            "draft_s": stats.draft_time_s if stats is not None else 0.0,
+            "tokens": {"prompt": self.num_prompt_tokens, "output": self.num_output_tokens,
+                       "drafted": self.num_drafted, "accepted": sum(stats.accepted) if stats is not None else 0,
+                       "recomputed": sum(g.num_recomputed_tokens for g in self.schedulers)},
+            "comm_bytes": None,
+        }
+        if comm:
+            ranks = list(self.executor.comm_stats())
+            if self.drafter is not None and hasattr(self.drafter.backend, "comm_stats"):
+                with contextlib.suppress(Exception):  # a drafter group restarting: its bytes are not counted
+                    ranks += self.drafter.backend.comm_stats()
+            totals: dict = {}
+            for r in ranks:
+                for kind, n in r["bytes"].items():
+                    totals[kind] = totals.get(kind, 0) + n
+            out["comm_bytes"] = totals
+        return out
+
+    def device_reports(self, refresh: bool = True) -> list[dict]:
+        """Every device (or process) the engine holds, with its memory by kind (cost.cost_ledger's
+        `devices`): the target's workers (KV peak from their group's peak blocks in use; expert
+        staging where a rebalance staged weights), the drafter group and calibrator, and on Ray the
+        Router's process (a CPU core). refresh=False: the workers' and drafters' memory as last read
+        (reading it is a call to each), with the KV peak as of now."""
+        if self._devices is None or refresh:
+            self._devices = (self.executor.device_reports(),
+                             self.drafter.device_reports() if self.drafter is not None else [])
+        target, drafters = self._devices
+        migrated = self.balancer is not None and bool(self.balancer.events)
+        devices = []
+        for d in target:
+            memory = {**d["memory"], "kv_peak_used": d["kv_bytes_per_block"] * self.kv_peak_blocks[d["group"]],
+                      "expert_staging": d["expert_bytes"] if migrated else 0}  # a migration stages every local expert
+            devices.append({"role": d["role"], "rank": d["rank"], "kind": d["kind"], "memory": memory})
+        for d in drafters:
+            if d.get("shares_device"):  # in process: on the target's device
+                for kind, n in d["memory"].items():
+                    devices[0]["memory"][kind] = devices[0]["memory"].get(kind, 0) + n
+            else:
+                devices.append(d)
+        if self.cfg.parallel.executor == "ray":
+            devices.append({"role": "router", "rank": 0, "kind": "cpu", "memory": {}})
+        return devices
+
+    def cost_ledger(self, since: Optional[dict] = None, num_requests: int = 0, comm: bool = False,
+                    refresh: bool = True) -> dict:
+        """The cost ledger from `since` (a usage() snapshot; default: the engine's start) to now.
+        Busy seconds: the target's forward time on each of its devices; the drafters' proposal
+        time (as the engine waits for it) on each drafter; on Ray the Router process's CPU time. In
+        process the drafter's time is on the target's device."""
+        now, base = self.usage(comm), since or self._usage_at_start
+        world = self.cfg.parallel.world_size
+        forward = now["forward_s"] - base["forward_s"]
+        draft = now["draft_s"] - base["draft_s"]
+        if self.cfg.parallel.executor == "ray":
+            busy = {"target": forward * world, "router": now["process_cpu_s"] - base["process_cpu_s"]}
+            if self.drafter is not None:
+                busy["drafter"] = draft * self.cfg.speculative.draft_workers
+        else:
+            busy = {"target": forward + draft}
+        comm_bytes = {}
+        if comm and base.get("comm_bytes") is not None:
+            # max(0, ...): restarted workers count from zero again
+            comm_bytes = {k: max(0, v - base["comm_bytes"].get(k, 0)) for k, v in now["comm_bytes"].items()}
+        comm_bytes["hidden_state_export"] = now["export_bytes"] - base["export_bytes"]
+        tokens = {k: v - base["tokens"].get(k, 0) for k, v in now["tokens"].items()}
+        prices = self.cfg.cost.price_per_device_hour.model_dump()
+        return cost_ledger(now["time"] - base["time"], self.device_reports(refresh), busy, tokens, comm_bytes, prices,
+                           num_requests)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation on or off for every request, at run time."""

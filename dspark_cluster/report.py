@@ -12,9 +12,11 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
+
+from .cost import format_ledger_rows
 
 REQUEST_COLUMNS = (
     "request_id",
@@ -103,8 +105,8 @@ def _num(value, scale: float = 1.0, fmt: str = ".1f") -> str:
     return "n/a" if math.isnan(v) else format(v, fmt)
 
 
-def format_summary(summary: dict) -> str:
-    """Aligned two-column plain-text table of the headline numbers."""
+def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
+    """Aligned two-column plain-text table of the headline numbers (and the cost ledger's, if given)."""
     s = summary
     rows = [
         ("requests", f"{s.get('requests', 'n/a')}"),
@@ -146,6 +148,8 @@ def format_summary(summary: dict) -> str:
                  f"{' (held)' if versions.get('pinned') else ''}, {len(versions.get('events', []))} publish/rollback events"),
                 ("tau / acceptance by version", by_version or "n/a"),
             ]
+    if cost:
+        rows += format_ledger_rows(cost)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -20,6 +20,17 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="requests", unit="req")
 
 
+def prepare_ray(cfgs: list) -> None:
+    """Before several runs in one process (a sweep): join or start Ray once, sized for the run with
+    the most actors (a private instance's CPU count is fixed when it starts)."""
+    ray_cfgs = [c for c in cfgs if c.parallel.executor == "ray"]
+    if ray_cfgs:
+        from .cluster import ensure_ray, num_actors
+
+        ensure_ray(max(num_actors(c) + int(c.speculative.calibration.enabled) for c in ray_cfgs),
+                   ray_cfgs[0].parallel.ray_address)
+
+
 def run_experiment(cfg: Config, progress: bool = True) -> dict:
     """Replay `cfg.workload`; returns the report dict, also written under report.out_dir/<name>/."""
     from .model.spec import load_spec
@@ -65,8 +76,8 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
             summary["rebalances"] = len(experts["rebalances"])
         else:  # one rank is balanced by definition: how uneven the experts themselves are says more
             summary["expert_load_max_over_mean"] = expert_max_over_mean(experts["expert_load_total"])
-    report = {"config": cfg.to_dict(), "summary": summary, "requests": raw["requests"], "steps": raw["steps"],
-              "experts": experts}
+    report = {"config": cfg.to_dict(), "summary": summary, "cost": raw["cost"], "requests": raw["requests"],
+              "steps": raw["steps"], "experts": experts}
     name = cfg.report.name or time.strftime("run-%Y%m%d-%H%M%S")
     out_dir = Path(cfg.report.out_dir) / name
     write_report(report, out_dir)

@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -103,6 +104,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
+        self.num_recomputed_tokens += seq.num_computed_tokens  # their KV is computed again (the cost ledger)
         seq.num_computed_tokens = 0  # recompute: the tokens are kept, their KV is rebuilt later
         seq.num_preemptions += 1
         self.num_preemptions += 1

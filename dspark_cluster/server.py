@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .cost import label_names, ledger_metrics
 from .errors import ConfigError, EngineError, RequestError
 from .sampling import INT64_MAX, MAX_TOKENS_LIMIT, SamplingParams
 
@@ -245,6 +246,7 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
+        self._ledger: dict = {}  # cost gauges by name, declared at their first sample
         self.ttft = Histogram("dspark_http_time_to_first_token_seconds",
                               "Request arrival at the server to its first token, per choice", buckets=_TTFT_BUCKETS,
                               registry=r)
@@ -296,6 +298,18 @@ class ServerMetrics:
         versions = spec.get("drafter_versions") or {}
         self.drafter_version.set(versions.get("serving_version") or 0)
         self.drafter_live_tau.set(versions.get("live_tau") or 0)
+        if s.get("cost"):
+            self.set_ledger(s["cost"])
+
+    def set_ledger(self, ledger: dict) -> None:
+        """The cost gauges, declared from the core's one table (cost.ledger_metrics)."""
+        from prometheus_client import Gauge
+
+        for name, help_text, labels, value in ledger_metrics(ledger):
+            gauge = self._ledger.get(name)
+            if gauge is None:
+                gauge = self._ledger[name] = Gauge(name, help_text, label_names(name), registry=self.registry)
+            (gauge.labels(**labels) if labels else gauge).set(value)
 
 
 class _CountRequests:

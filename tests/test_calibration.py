@@ -286,8 +286,9 @@ def test_a_bad_version_rolls_back_automatically_and_manual_rollback_works(bundle
 
 def test_poisoned_laws_are_filtered_and_a_poisoned_candidate_is_rejected(bundled):
     """Wrong target laws injected into the buffer: those that contradict what the target committed
-    are filtered; those let past the filter make a candidate that loses the shadow check (its top-1
-    no longer matches the tokens the target produced), so the serving version stays."""
+    are filtered; those let past the filter make a candidate that loses the shadow check (a lower
+    tau, or a top-1 that matches the tokens the target produced less often), so the serving version
+    stays."""
     llm, cal = bundled, bundled.engine.drafter.calibrator
     llm.generate(bundled_prompts(32, offset=16), GREEDY)
     cal.take_inbox()
@@ -315,8 +316,11 @@ def test_poisoned_laws_are_filtered_and_a_poisoned_candidate_is_rejected(bundled
             cal.buffer.samples.append((p, cal.buffer.held_out(s.seq_id)))
             cal.buffer.num_rounds += len(p.rounds)
     record = cal.update()
+    # rejected: its shadow tau fell, or its top-1 matches the target's tokens less (which of the two
+    # shows depends on which sequences are held out, i.e. on the process's sequence ids so far)
     assert record["outcome"].startswith("rejected"), record
-    assert record["shadow"]["match"] < record["serving_shadow"]["match"]
+    cand, serve = record["shadow"], record["serving_shadow"]
+    assert cand["tau"] < serve["tau"] or cand["match"] < serve["match"] * (1 - cal.cc.margin), record
     assert cal.pending is None and cal.serving == serving
     with cal._lock:
         cal.buffer.samples.clear()

@@ -187,6 +187,21 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, check
             table = stats["speculative"]["calibration"]["step_cost"]
             assert table["tokens"][0] == 1 and all(t > 0 for t in table["profiled_s"])
             assert 0 < stats["speculative"]["verified_share"] <= 1
+        # the live cost ledger sees every device: two target workers, the drafters, the Router's core
+        live = stats["cost"]
+        assert {r: v["devices"] for r, v in live["roles"].items()} == {"target": 2, "drafter": draft_workers, "router": 1}
+        assert live["tokens"]["output"] == sum(len(o.token_ids) for o in outs)
+        assert live["tokens"]["drafted"] >= drafted and live["comm_bytes"]["hidden_state_export"] > 0
+        for d in live["memory"]["per_device"]:
+            assert (d["weights"] > 0 and d["kv_pool"] > 0) if d["role"] == "target" else d["weights"] == 0
+            assert (d["drafter_weights"] > 0) == (d["role"] == "drafter")
+        # a run's ledger (run_workload) also counts the bytes each collective sent
+        from dspark_cluster.workload import WorkloadRequest
+
+        run = ray.get(llm.router.run_workload.remote([WorkloadRequest(0.0, prompts[0], GREEDY)]))
+        comm = run["cost"]["comm_bytes"]
+        assert comm["all_reduce"] > 0 and comm["hidden_state_export"] > 0
+        assert run["cost"]["tokens"]["output"] == sum(r["num_output_tokens"] for r in run["requests"])
     finally:
         llm.shutdown()
 

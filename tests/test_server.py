@@ -145,9 +145,10 @@ def test_models_health_metrics(served):
     assert r.status_code == 200 and "text/plain" in r.headers["content-type"]
     for name in ("dspark_http_time_to_first_token_seconds", "dspark_http_time_per_output_token_seconds",
                  "dspark_http_requests_total", "dspark_kv_blocks_used", "dspark_num_requests_running",
-                 "dspark_num_requests_waiting"):
+                 "dspark_num_requests_waiting", "dspark_device_seconds", "dspark_memory_held_bytes"):
         assert name in r.text
     assert metric(served.url, "dspark_kv_blocks_total") == 1024
+    assert metric(served.url, "dspark_cost") > 0  # the live cost ledger (prices from the config's defaults)
 
 
 def test_completions_usage_and_streaming(served):

@@ -600,6 +600,24 @@ class Calibrator:
         with self._lock:
             return list(self.history)
 
+    def memory_report(self) -> dict:
+        """Bytes the calibrator holds on its device and beside it: the drafter it trains (and its scratch copy for
+        shadow scoring), the optimiser's state, the versions kept for rollback, the replay buffer."""
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+        with self._lock:
+            models = [m for m in (self.model, self._scratch) if m is not None]
+            weights = sum(nbytes(m.parameters()) + nbytes(m.buffers()) for m in models)
+            optimizer = 0
+            if self._engine is not None:
+                states = list(getattr(self._engine.optimizer, "state", {}).values())  # a copy: training may add to it
+                optimizer = sum(nbytes(st.values()) for st in states)
+            versions = sum(nbytes(v.values()) for v in self.versions.values())
+            return {"weights": weights, "optimizer": optimizer, "versions": versions, "buffer": self.buffer.num_bytes,
+                    "total": weights + optimizer + versions + self.buffer.num_bytes}
+
     def status(self) -> dict:
         self.take_inbox()
         with self._lock:

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Optional
 
+from ..cost import device_kind
 from ..errors import ConfigError, DSparkError
 from .calibration import CalibrationLoop, Calibrator, DrafterVersions
 from .proposers import DraftRequest, make_proposer
@@ -130,6 +131,7 @@ class RayDrafterGroup:
                 calibrator_name = f"dspark-calibrator-{tag}"
                 gpus = ray.cluster_resources().get("GPU", 0)
                 cal_device = "cuda" if device == "cuda" and gpus >= cfg.parallel.world_size + n + 1 else "cpu"
+                self.calibrator_device = cal_device
                 self.calibrator = ray.remote(Calibrator).options(
                     name=calibrator_name, max_concurrency=4, num_cpus=1 if cal_device == "cpu" else 0,
                     num_gpus=1 if cal_device == "cuda" else 0).remote(cfg.to_dict(), cal_device, threads, first_version)
@@ -234,6 +236,18 @@ class RayDrafterGroup:
 
     def comm_stats(self) -> list[dict]:
         return self._gather([a.comm_stats.remote() for a in self.actors], self.timeout_s)
+
+    def device_reports(self) -> list[dict]:
+        """The cost ledger's devices: each drafter actor (its weights and KV now, the DSpark context's
+        peak) and the calibrator (its drafter copies, optimiser state, versions and replay buffer)."""
+        out = [{"role": "drafter", "rank": r["rank"], "kind": device_kind(r["device"]),
+                "memory": {"drafter_weights": r.get("param_bytes", 0), "drafter_kv": r.get("kv_bytes", 0)}}
+               for r in self._gather([a.report.remote() for a in self.actors], self.timeout_s)]
+        if self.calibrator is not None:
+            m = self._gather([self.calibrator.memory_report.remote()], self.timeout_s)[0]
+            out.append({"role": "calibrator", "rank": 0, "kind": device_kind(self.calibrator_device),
+                        "memory": {"calibrator_state": m["total"]}})
+        return out
 
     def shutdown(self) -> None:
         if self.calibrator is not None:
@@ -437,6 +451,22 @@ class Drafter:
             raise RequestError("the drafter has no versions; set speculative.calibration.enabled to calibrate it online")
         self.versions.pinned = False
         return self.status()
+
+    def device_reports(self) -> list[dict]:
+        """The cost ledger's view of the drafter: the Ray group's devices, or in process one entry
+        with `shares_device` (its memory is on the target's device). [] when it cannot say (a group
+        restarting): the ledger then misses the drafter's memory, never the run."""
+        try:
+            if isinstance(self.backend, RayDrafterGroup):
+                return self.backend.device_reports()
+            report = self.backend.memory_report() if hasattr(self.backend, "memory_report") else {}
+            memory = {"drafter_weights": report.get("param_bytes", 0), "drafter_kv": report.get("kv_bytes", 0)}
+            if self.calibrator is not None:
+                memory["calibrator_state"] = self.calibrator.memory_report()["total"]
+            return [{"role": "drafter", "shares_device": True, "memory": memory}]
+        except Exception as e:  # noqa: BLE001
+            log.warning("the drafter's memory could not be read for the cost ledger (%s: %s)", type(e).__name__, e)
+            return []
 
     def status(self) -> dict:
         """The serving version, the history (version, time, rounds trained on, shadow score, live

@@ -84,6 +84,7 @@ class DSparkProposer:
         self._freed_order: deque = deque(maxlen=RECENTLY_FREED)
         self._freed: set = set()
         self.ingested_rows = 0
+        self._proposals, self.peak_context_bytes = 0, 0
         self.misses = 0  # proposals skipped because the context was not there (yet)
         # online calibration: keep each sequence's rows and rounds, hand finished ones on as samples
         self.calibrate = calibrate
@@ -206,13 +207,23 @@ class DSparkProposer:
             st.k, st.v, st.kv_length = [], [], 0
             st.raw = list(st.kept)
 
-    def memory_report(self) -> dict:
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
+    def _context_bytes(self) -> int:
+        """Bytes of every live sequence's context: keys/values, rows not yet turned into them, and
+        the rows kept for a version switch (or online calibration)."""
         ctx = sum(t.numel() * t.element_size() for st in self.ctx.values() for t in st.k + st.v)
         ctx += sum(h.numel() * h.element_size() for st in self.ctx.values() for _, h in st.raw)
         ctx += sum(h.numel() * h.element_size() for st in self.ctx.values() for _, h in st.kept)
-        return {"param_bytes": params, "shared_table_bytes": tables, "context_kv_bytes": ctx, "bytes_read": params}
+        return ctx
+
+    def memory_report(self) -> dict:
+        """param_bytes (with the shared tables), context_kv_bytes now, and kv_bytes: the context's
+        peak, sampled every 8th proposal (the cost ledger's drafter KV)."""
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        ctx = self._context_bytes()
+        self.peak_context_bytes = max(self.peak_context_bytes, ctx)
+        return {"param_bytes": params + tables, "shared_table_bytes": tables, "context_kv_bytes": ctx,
+                "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
     def block_forward(self, requests):
         """One backbone forward over a block per request (context ready): returns the final normed
@@ -246,6 +257,9 @@ class DSparkProposer:
     @torch.inference_mode()
     def propose(self, requests) -> list[Proposal]:
         out = [Proposal([]) for _ in requests]
+        self._proposals += 1
+        if self._proposals % 8 == 1:  # the context's peak, for the cost ledger (a sum over every sequence)
+            self.peak_context_bytes = max(self.peak_context_bytes, self._context_bytes())
         active = [(i, r) for i, r in enumerate(requests) if r.k > 0 and self.ready(r)]
         self.misses += sum(1 for r in requests if r.k > 0 and not self.ready(r))
         if not active:

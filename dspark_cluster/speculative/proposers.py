@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..kv_cache import BlockManager, allocate_kv_cache, plan_num_blocks
+from ..kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
 from ..model.attention import build_metadata
 from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
@@ -110,7 +110,8 @@ class DraftModelProposer:
                 split += nbytes
         return {"param_bytes": split + replicated, "split_param_bytes": split,
                 "replicated_param_bytes": replicated, "bytes_read": self.model.bytes_read,
-                "kv_blocks": self.blocks.num_blocks}
+                "kv_blocks": self.blocks.num_blocks,
+                "kv_bytes": self.blocks.num_blocks * kv_bytes_per_block(self.model, self.block_size)}
 
     def _forward(self, chunks: list[tuple[int, list[int], int]]):
         """chunks: (seq_id, new tokens, tokens already cached) -> logits of each chunk's last token."""
