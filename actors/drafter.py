@@ -38,9 +38,11 @@ class Drafter:
 
     def node_address(self) -> tuple[str, int]:
         """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
-        from parallel.state import free_port, node_ip
+        import ray
 
-        return node_ip(), free_port()
+        from parallel.state import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the drafter world and load this rank's shard of the draft model. Returns report()."""

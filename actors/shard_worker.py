@@ -26,13 +26,15 @@ class ShardWorker:
 
     def node_address(self) -> tuple[str, int]:
         """This worker's node IP and a free port there (asked of rank 0 for the rendezvous)."""
-        from parallel.state import free_port, node_ip
+        import ray
 
-        return node_ip(), free_port()
+        from parallel.state import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int, device: str, phy2log=None) -> dict:
         """Join the groups and load this rank's shard. Returns what this rank holds."""
-        from dspark_cluster.engine import resolve_device
+        from dspark_cluster.executor import resolve_device
         from dspark_cluster.model.loader import load_model
         from dspark_cluster.model.spec import load_spec
         from dspark_cluster.placement import default_placement, placement_from_phy2log

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import eplb
-from .placement import ExpertPlacement, default_placement
+from .placement import ExpertPlacement, default_placement, placement_from_phy2log
 
 RANK_HISTORY_KEPT = 4096  # steps of per-rank load a long-running server keeps
 
@@ -121,8 +121,6 @@ class ExpertBalancer:
 
     def committed(self, migration_bytes: int) -> None:
         """The commit step ran: the new placement is live."""
-        from .placement import placement_from_phy2log
-
         p = self.pending
         self.placement = placement_from_phy2log(p["phy2log"], self.placement.log2phy.shape[1], self.num_ranks)
         self.events.append({"version": p["version"], "at_step": p["step"], "committed_at_step": self.steps,

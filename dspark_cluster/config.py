@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
+from .model.spec import load_spec
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
@@ -398,9 +399,6 @@ def check_drafter_topology(cfg: Config) -> list[str]:
             f"speculative.draft_tensor: got {dt}; a tensor-parallel drafter runs in its own Ray actors, "
             "set parallel.executor: ray or draft_tensor: 1"
         )
-    from .errors import CheckpointError
-    from .model.spec import load_spec
-
     try:
         spec = load_spec(sp.draft_model, cfg.model.dtype)
     except CheckpointError as e:

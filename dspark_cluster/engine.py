@@ -18,19 +18,21 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from .balancer import ExpertBalancer
 from .config import Config
+from .cost import cost_ledger
 from .errors import EngineError, RequestError, StepError, WorkerError
-from .cost import cost_ledger, device_kind
-from .kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
-from .model.loader import load_model
-from .model.spec import ModelSpec, load_spec
+from .executor import make_executor
+from .kv_cache import BlockManager
+from .model.spec import ModelSpec, load_spec, refuse_remote_code
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative.drafting import Drafter
 from .speculative.proposers import DraftRequest
 from .speculative.spec_decode import Proposal
 from .speculative.verify_budget import StepCost, VerifyPlanner
-from .step import StepInput, StepOutput, build_step_input, execute_step, profile_input
+from .step import StepInput, build_step_input, profile_input
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +41,12 @@ log = logging.getLogger(__name__)
 STEP_STATS_KEPT = 4096
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def load_tokenizer(path) -> Optional[object]:
     """The checkpoint's tokenizer, or None when it ships none (then prompts must be token ids)."""
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
-
-    from .model.spec import refuse_remote_code
 
     refuse_remote_code(p, "tokenizer_config.json")
     return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
@@ -90,58 +84,6 @@ def _rollback(scheds: list) -> None:
             s.seq.num_pending -= s.samples
 
 
-class LocalExecutor:
-    """`executor: local`: the whole model on one device in this process."""
-
-    transport = "in_process"  # how a step reaches the model (Cluster: compiled_graph or actor_calls)
-
-    def __init__(self, cfg: Config, spec: ModelSpec):
-        if cfg.parallel.threads_per_worker:
-            torch.set_num_threads(cfg.parallel.threads_per_worker)
-        self.cfg = cfg
-        self.device = resolve_device(cfg.parallel.device)
-        self.model = load_model(cfg.model.path, spec, device=self.device)
-        sc = cfg.scheduler
-        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
-        allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
-        self._prev_sampled = None
-
-    def submit(self, step: StepInput) -> StepOutput:
-        """Run the step now (in process there is nothing to overlap); `wait` hands back its output."""
-        out = execute_step(self.model, step, self.device, prev_sampled=self._prev_sampled)
-        self._prev_sampled = out.sampled
-        return out
-
-    def wait(self, handle: StepOutput) -> StepOutput:
-        return handle
-
-    def device_reports(self) -> list[dict]:
-        """This process's device, as Cluster.device_reports gives each worker's."""
-        per_block = kv_bytes_per_block(self.model, self.cfg.scheduler.block_size)
-        expert = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n.endswith((".w13", ".w2")))
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return [{"role": "target", "rank": 0, "kind": device_kind(self.device.type), "group": 0,
-                 "kv_bytes_per_block": per_block, "expert_bytes": expert,
-                 "memory": {"weights": weights, "kv_pool": per_block * self.num_blocks}}]
-
-    def comm_stats(self) -> list[dict]:
-        return []  # one device: no collectives
-
-    def execute(self, step: StepInput) -> StepOutput:
-        return self.wait(self.submit(step))
-
-    def shutdown(self) -> None:
-        self.model = None
-
-
-def make_executor(cfg: Config, spec: ModelSpec):
-    if cfg.parallel.executor == "local":
-        return LocalExecutor(cfg, spec)
-    from .cluster import Cluster
-
-    return Cluster(cfg, spec)
-
-
 class LLMEngine:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -156,10 +98,8 @@ class LLMEngine:
         self.num_groups = cfg.parallel.data
         self.drafter = None
         if cfg.speculative.enabled:
-            from .speculative.drafting import Drafter
-
             try:
-                self.drafter = Drafter(cfg, self.spec, getattr(self.executor, "device", "cpu"))
+                self.drafter = Drafter(cfg, self.spec, self.executor.device)
             except BaseException:  # a refused or failed drafter group: the started target goes too
                 self.executor.shutdown()
                 raise
@@ -174,8 +114,6 @@ class LLMEngine:
             self.planner = VerifyPlanner(lookahead, self._profile_step_cost(), cfg.speculative.method)
         self.balancer = None
         if self.spec.is_moe:
-            from .balancer import ExpertBalancer
-
             self.balancer = ExpertBalancer(cfg, sum(self.spec.moe_layers), self.spec.num_experts,
                                            cfg.parallel.world_size, self.spec.n_group)
             self.balancer.enabled = self.balancer.enabled and cfg.parallel.world_size > 1
@@ -569,7 +507,7 @@ class LLMEngine:
                 "step_time_s": time.perf_counter() - t0,
                 "execute_s": execute_time,  # submitting + waiting for the round (in process: the forward itself)
                 "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
-                "wire_s": getattr(self.executor, "last_wire_s", 0.0),  # pickling the round here (ray)
+                "wire_s": self.executor.last_wire_s,  # pickling the round here (ray)
                 "worker_s": outs[0].worker_s,  # ray: the driver rank's time in its step call (unpickling + forward)
                 "worker_between_s": outs[0].between_s,  # ray: its time from the last output to this input
                 "num_seqs": sum(len(sc.scheduled) for sc in scheds),
@@ -690,7 +628,7 @@ class LLMEngine:
         }
         if comm:
             ranks = list(self.executor.comm_stats())
-            if self.drafter is not None and hasattr(self.drafter.backend, "comm_stats"):
+            if self.drafter is not None and self.drafter.backend is not None:
                 with contextlib.suppress(Exception):  # a drafter group restarting: its bytes are not counted
                     ranks += self.drafter.backend.comm_stats()
             totals: dict = {}

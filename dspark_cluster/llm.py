@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 from .config import load_config
-from .engine import LLMEngine, load_tokenizer
+from .engine import LLMEngine
 from .errors import RequestError
+from .executor import backend
 from .sampling import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -61,12 +62,11 @@ class LLM:
         overrides = {"model.path": str(model)} if model is not None else None
         self.config = load_config(config, overrides)
         self.engine = None  # executor: local -- the engine runs in this process
-        self.router = None  # executor: ray -- a Router actor owns the engine and the shard workers
-        if self.config.parallel.executor == "ray":
-            from .cluster import start_router
-
-            self.router = start_router(self.config)
-            self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
+        self._remote = None  # executor: ray -- a client of the Router actor that owns the engine
+        self.router = None  # (and that actor's handle)
+        if self.config.parallel.executor != "local":
+            self._remote = backend(self.config.parallel.executor).RouterClient.start(self.config)
+            self.router, self.tokenizer = self._remote.handle, self._remote.tokenizer
         else:
             self.engine = LLMEngine(self.config)
             self.tokenizer = self.engine.tokenizer
@@ -86,10 +86,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = self._params_list(len(prompts), params)
-        if self.router is not None:
-            from .cluster import ray_get
-
-            return ray_get(self.router.generate.remote(list(prompts), plist))
+        if self._remote is not None:
+            return self._remote.generate(prompts, plist)
         ids = []
         try:
             for p, sp in zip(prompts, plist):
@@ -107,8 +105,8 @@ class LLM:
         return [self._output(rid) for rid in ids]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamPiece]:
-        if self.router is not None:
-            yield from self._stream_router(prompt, params or SamplingParams())
+        if self._remote is not None:
+            yield from self._remote.stream(prompt, params or SamplingParams())
             return
         rid = self.engine.add_request(prompt, params or SamplingParams())
         detok = _Detokenizer(self.tokenizer)
@@ -128,20 +126,6 @@ class LLM:
             self.engine.drain()
             self.engine.release(rid)
 
-    def _stream_router(self, prompt, params) -> Iterator[StreamPiece]:
-        from .cluster import ray_get
-
-        rid = ray_get(self.router.submit.remote(prompt, params))
-        finished = False
-        try:
-            for ref in self.router.stream.options(num_returns="streaming").remote(rid):
-                piece = ray_get(ref)
-                finished = piece.finished
-                yield piece
-        finally:
-            if not finished:
-                self.router.abort.remote(rid)
-
     def _output(self, rid: str) -> RequestOutput:
         seq = self.engine.seqs[rid]
         self.engine.release(rid)
@@ -160,40 +144,32 @@ class LLM:
     def drafter_status(self) -> dict:
         """The serving drafter version, the history of versions (version, time, rounds trained on,
         shadow score, live tau), the versions held for rollback and the calibrator's buffer."""
-        if self.router is not None:
-            from .cluster import ray_get
-
-            return ray_get(self.router.drafter_status.remote())
+        if self._remote is not None:
+            return self._remote.drafter_status()
         return self.engine.drafter_status()
 
     def rollback_drafter(self, version: Optional[int] = None) -> dict:
         """Serve an earlier drafter version from the next step (None: the original, uncalibrated
         weights) and hold it: no calibrated version publishes until resume_drafter(). Returns
         drafter_status(); RequestError for a version the drafters do not hold."""
-        if self.router is not None:
-            from .cluster import ray_get
-
-            return ray_get(self.router.rollback_drafter.remote(version))
+        if self._remote is not None:
+            return self._remote.rollback_drafter(version)
         return self.engine.rollback_drafter(version)
 
     def resume_drafter(self) -> dict:
         """After rollback_drafter (which holds the version it rolled back to): let calibrated
         versions publish again."""
-        if self.router is not None:
-            from .cluster import ray_get
-
-            return ray_get(self.router.resume_drafter.remote())
+        if self._remote is not None:
+            return self._remote.resume_drafter()
         return self.engine.resume_drafter()
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        if self.router is not None:
-            from .cluster import stop_router
-
-            stop_router(self.router)
-            self.router = None
+        if self._remote is not None:
+            self._remote.shutdown()
+            self._remote = self.router = None
 
     def __enter__(self):
         return self

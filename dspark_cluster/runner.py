@@ -7,7 +7,10 @@ import asyncio
 import time
 from pathlib import Path
 
+from .async_engine import AsyncEngine
 from .config import Config
+from .executor import backend
+from .model.spec import load_spec
 from .report import expert_max_over_mean, plot_expert_heatmaps, summarize, write_report
 from .workload import make_workload
 
@@ -20,44 +23,26 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="requests", unit="req")
 
 
-def prepare_ray(cfgs: list) -> None:
-    """Before several runs in one process (a sweep): join or start Ray once, sized for the run with
-    the most actors (a private instance's CPU count is fixed when it starts)."""
-    ray_cfgs = [c for c in cfgs if c.parallel.executor == "ray"]
-    if ray_cfgs:
-        from .cluster import ensure_ray, num_actors
-
-        ensure_ray(max(num_actors(c) + int(c.speculative.calibration.enabled) for c in ray_cfgs),
-                   ray_cfgs[0].parallel.ray_address)
+def prepare_backends(cfgs: list) -> None:
+    """Before several runs in one process (a sweep): each backend they use set up once (Ray joined
+    or started, sized for the run with the most actors)."""
+    for name in sorted({c.parallel.executor for c in cfgs} - {"local"}):
+        backend(name).prepare([c for c in cfgs if c.parallel.executor == name])
 
 
 def run_experiment(cfg: Config, progress: bool = True) -> dict:
     """Replay `cfg.workload`; returns the report dict, also written under report.out_dir/<name>/."""
-    from .model.spec import load_spec
-
     requests = make_workload(cfg.workload, load_spec(cfg.model.path, cfg.model.dtype).vocab_size)
     bar = _progress(len(requests), progress)
-    if cfg.parallel.executor == "ray":
-        from .cluster import ray_get, start_router, stop_router
+    if cfg.parallel.executor != "local":  # the Router runs the workload; this process only shows progress
 
-        router = start_router(cfg)
-        try:
-            ref = router.run_workload.remote(requests)
-            while True:  # the router runs the workload; the driver only shows progress
-                import ray
+        def on_progress(finished: int) -> None:
+            if bar is not None:
+                bar.n = finished
+                bar.refresh()
 
-                ready, _ = ray.wait([ref], timeout=0.5)
-                if bar is not None:
-                    bar.n = ray.get(router.finished_count.remote())
-                    bar.refresh()
-                if ready:
-                    break
-            raw = ray_get(ref)
-        finally:
-            stop_router(router)
+        raw = backend(cfg.parallel.executor).run_workload(cfg, requests, on_progress)
     else:
-        from .async_engine import AsyncEngine
-
         engine = AsyncEngine(cfg)
         try:
             raw = asyncio.run(engine.run_workload(requests, on_finish=lambda _: bar.update(1) if bar else None))

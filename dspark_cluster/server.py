@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .client import EngineClient
 from .cost import label_names, ledger_metrics
 from .errors import ConfigError, EngineError, RequestError
 from .sampling import INT64_MAX, MAX_TOKENS_LIMIT, SamplingParams
@@ -1078,8 +1079,6 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str]
     """Start the engine the config asks for (in process or a Router actor) and serve it until
     interrupted; the engine is shut down on the way out."""
     import uvicorn
-
-    from .client import EngineClient
 
     if not logging.getLogger("dspark_cluster").handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()

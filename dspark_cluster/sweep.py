@@ -25,6 +25,7 @@ import yaml
 from .config import Config, load_config
 from .cost import compare_runs, cost_rate
 from .errors import ConfigError, DSparkError
+from .runner import prepare_backends, run_experiment
 
 COLUMNS = ("point", "status", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
            "devices", "memory_held_mib", "max_device_mib", "cost_per_hour", "cost_per_million_output_tokens",
@@ -128,8 +129,6 @@ def run_sweep(config, grid: list[tuple[str, list]], overrides=None, name: Option
     whose run raises is recorded with its error and the sweep goes on. Returns {"out_dir",
     "points": [row dicts], "baseline": index of the first point that ran}.
     """
-    from .runner import prepare_ray, run_experiment
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     points = sweep_points(config, grid, overrides)
     valid = [p for p in points if p.cfg is not None]
@@ -138,7 +137,7 @@ def run_sweep(config, grid: list[tuple[str, list]], overrides=None, name: Option
     out_dir = Path(base_cfg.report.out_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     run = run or (lambda cfg: run_experiment(cfg, progress=False))
-    prepare_ray([p.cfg for p in valid])  # one Ray instance for every point, sized for the largest
+    prepare_backends([p.cfg for p in valid])  # one Ray instance for every point, sized for the largest
     log(f"sweep: {len(points)} points ({len(valid)} valid) over {', '.join(k for k, _ in grid)} -> {out_dir}/")
     t_sweep = time.monotonic()
     for n, p in enumerate(points, 1):

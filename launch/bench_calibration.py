@@ -75,7 +75,7 @@ def config(args, calibrate: bool) -> dict:
 def run(args, prompts, calibrate: bool) -> dict:
     import ray
 
-    from dspark_cluster.cluster import ray_get
+    from actors.cluster import ray_get
 
     llm = LLM(config=config(args, calibrate))
     try:

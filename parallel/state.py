@@ -26,12 +26,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
 @dataclass
 class CommStats:
     """Bytes each rank sends per kind of collective (payload, not protocol overhead)."""

@@ -181,7 +181,7 @@ def test_the_calibrator_learns_from_live_rounds_and_publishes_without_changing_o
         assert record["outcome"] == "candidate version 1"
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == base  # published during this call
         st = llm.drafter_status()
-        assert st["serving_version"] == 1 and drafter.backend.version == 1
+        assert st["serving_version"] == 1 and drafter.backend.proposer.version == 1
         assert st["history"][-1]["rounds_trained"] == record["train_rounds"]
         assert st["history"][-1]["shadow"]["tau"] == record["shadow"]["tau"]
         assert st["history"][-1]["live_rounds"] > 0 and st["calibrator"]["serving"] == 1
@@ -199,7 +199,7 @@ def test_requests_that_opt_out_are_never_recorded(checkpoint, random_drafter):
         assert llm.drafter_status()["calibrator"]["buffer"]["rounds_offered"] == 0
         llm.generate(prompts, GREEDY)
         assert llm.drafter_status()["calibrator"]["buffer"]["rounds_offered"] > 0
-        assert not llm.engine.drafter.backend.ctx  # every sequence's state went with it
+        assert not llm.engine.drafter.backend.proposer.ctx  # every sequence's state went with it
     finally:
         llm.shutdown()
 
@@ -219,7 +219,7 @@ def test_the_output_law_holds_while_versions_change_every_step(small_vocab, tmp_
     llm = LLM(small_vocab["target"], config=cfg)
     drafter = llm.engine.drafter
     state = {k: v + 0.5 * torch.randn_like(v) for k, v in drafter.calibrator.versions[0].items()}
-    drafter.backend.stage(1, state, keep={0, 1})
+    drafter.backend.proposer.stage(1, state, keep={0, 1})
     drafter.available = {0, 1}
     poll = drafter.poll
 
@@ -265,11 +265,11 @@ def test_a_bad_version_rolls_back_automatically_and_manual_rollback_works(bundle
     assert st["history"][1]["live_tau"] < 0.8 * tau0
     assert drafter.calibrator.serving == 0
     # manual: to a version held, to the original, never to one that is not held
-    drafter.backend.stage(2, original, keep={0, 1, 2})
+    drafter.backend.proposer.stage(2, original, keep={0, 1, 2})
     drafter.calibrator.versions[2] = original
     drafter.available |= {2}
     assert llm.rollback_drafter(2)["serving_version"] == 2
-    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == base[:4] and drafter.backend.version == 2
+    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == base[:4] and drafter.backend.proposer.version == 2
     assert llm.rollback_drafter(None)["serving_version"] == 0
     with pytest.raises(RequestError, match="version: got 7"):
         llm.rollback_drafter(7)

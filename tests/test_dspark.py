@@ -79,7 +79,7 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
 
 def spy_on_ingest(llm) -> list:
     """The ContextRows the in-process drafter ingests, as they arrive (it still ingests them)."""
-    backend = llm.engine.drafter.backend
+    backend = llm.engine.drafter.backend.proposer
     seen, ingest = [], backend.ingest
 
     def spy(rows):
@@ -128,7 +128,7 @@ def test_greedy_output_is_identical_with_dspark(arch, checkpoint, drafters, prom
     assert [o.token_ids for o in outs] == base
     stats = llm.engine.drafter.stats.summary()
     assert stats["verify_rounds"] > 0 and stats["num_draft_tokens"] > 0
-    assert llm.engine.drafter.backend.misses == 0  # in process the context is always there in time
+    assert llm.engine.drafter.backend.proposer.misses == 0  # in process the context is always there in time
     conf = stats["mean_confidence_by_position"]
     assert len(conf) == 3 and all(0 < c < 1 for c in conf)
 

@@ -14,7 +14,8 @@ import torch
 
 from dspark_cluster import LLM, SamplingParams, load_config
 from dspark_cluster.async_engine import AsyncEngine
-from dspark_cluster.engine import LLMEngine, LocalExecutor
+from dspark_cluster.engine import LLMEngine
+from dspark_cluster.executor import LocalExecutor
 from dspark_cluster.errors import CheckpointError, EngineError, RequestError, StepError, WorkerError
 
 from conftest import random_prompts
@@ -163,7 +164,7 @@ def test_statistics_a_server_keeps_are_bounded_and_a_run_keeps_every_step(checkp
 def test_which_ray_to_use():
     """parallel.ray_address: auto joins RAY_ADDRESS, else a `ray start` instance still running here,
     else none (a private one); local never joins; an address is joined as given."""
-    from dspark_cluster.cluster import ray_address_to_join
+    from actors.cluster import ray_address_to_join
 
     running = lambda: ["10.0.0.5:6379"]  # noqa: E731
     assert ray_address_to_join("auto", "ray://head:10001", lambda: "10.0.0.5:6379", running) == "ray://head:10001"
@@ -176,7 +177,7 @@ def test_which_ray_to_use():
 
 def test_compiled_graph_only_within_one_node():
     """A cross-node compiled-graph channel closed under a writer aborts the raylet (ray#63229)."""
-    from dspark_cluster.cluster import compiled_graph_wanted
+    from actors.cluster import compiled_graph_wanted
 
     assert compiled_graph_wanted("auto", {"n1"}, "n1")
     assert not compiled_graph_wanted("auto", {"n2"}, "n1")
@@ -188,7 +189,7 @@ def test_compiled_graph_only_within_one_node():
 def test_a_ray_cluster_that_cannot_be_joined_is_a_config_error(monkeypatch, capsys):
     import ray
 
-    from dspark_cluster.cluster import ensure_ray
+    from actors.cluster import ensure_ray
     from dspark_cluster.errors import ConfigError
 
     def refuse(**kw):

@@ -247,7 +247,7 @@ class FakeRay:
 
 def test_drafter_resources_are_checked_beside_the_target(checkpoint):
     from dspark_cluster import ConfigError, load_config
-    from dspark_cluster.speculative.drafting import check_drafter_resources
+    from actors.drafter_group import check_drafter_resources
 
     def cfg(draft_workers, draft_tensor, **parallel):
         c = spec_config("draft_model", checkpoint("llama"), executor="ray", **parallel,
@@ -274,7 +274,7 @@ def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):
     import ray
 
     from dspark_cluster import ConfigError, load_config
-    from dspark_cluster.speculative.drafting import RayDrafterGroup
+    from actors.drafter_group import RayDrafterGroup
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.proposers import DraftModelProposer, DraftRequest
 

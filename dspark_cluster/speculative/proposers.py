@@ -21,6 +21,7 @@ from ..model.attention import build_metadata
 from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
 from ..sampling import filter_logits
+from .dspark_proposer import DSparkProposer
 from .spec_decode import Proposal, _generator
 
 
@@ -229,8 +230,6 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
         return DraftModelProposer(sp.draft_model, target_spec, cfg.model.dtype, device, cfg.scheduler.block_size,
                                   comm=comm)
     if sp.method == "dspark":
-        from .dspark_proposer import DSparkProposer
-
         return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens,
                               calibrate=sp.calibration.enabled)
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")

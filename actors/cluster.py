@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from .config import Config
-from .cost import device_kind
-from .errors import CheckpointError, ConfigError, DSparkError, WorkerError
-from .model.spec import ModelSpec
-from .step import StepInput, from_wire, to_wire
+from dspark_cluster.config import Config
+from dspark_cluster.cost import device_kind
+from dspark_cluster.errors import CheckpointError, ConfigError, DSparkError, WorkerError
+from dspark_cluster.model.spec import ModelSpec
+from dspark_cluster.step import StepInput, from_wire, to_wire
 
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def check_resources(cfg: Config, ray) -> str:
             f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
         )
     if cfg.speculative.enabled:  # the drafter group too, before any actor starts
-        from .speculative.drafting import check_drafter_resources
+        from .drafter_group import check_drafter_resources
 
         check_drafter_resources(cfg, ray)
     return device
@@ -120,7 +120,7 @@ class Cluster:
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.shard_worker import ShardWorker
+        from .shard_worker import ShardWorker
 
         self.cfg, self.spec, self._ray = cfg, spec, ray
         self._remove_pg = remove_placement_group
@@ -133,6 +133,7 @@ class Cluster:
         self._in_flight, self._forward_s, self._last_output_at = 0, {}, 0.0
         self._unread = []  # rounds submitted whose outputs were not read (drained before a teardown)
         self.compiled = False
+        self.last_wire_s = 0.0
         threads = cfg.parallel.threads_per_worker or 1
         here = ray.get_runtime_context().get_node_id()
         try:
@@ -390,7 +391,7 @@ def ray_get(refs, timeout=None):
 def start_router(cfg: Config):
     """Start the Router actor (it starts the shard workers) and wait until it serves."""
     ray = ensure_ray(num_actors(cfg), cfg.parallel.ray_address)
-    from actors.router import Router
+    from .router import Router
 
     check_resources(cfg, ray)  # refuse before any actor starts
     router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(cfg.to_dict())

@@ -1,0 +1,105 @@
+"""The executor interface: how the engine runs a step on the target model's devices.
+
+Two implementations, chosen by name (`parallel.executor`): `local`, the whole model on one device in
+this process (`LocalExecutor`, here), and `ray`, the model sharded over Ray actors (`actors.cluster.
+Cluster`). The Ray side imports the core and is never imported by it: `backend("ray")` finds it by
+the module name registered in `BACKENDS`, as vLLM resolves an executor class by its qualified name.
+
+An executor has:
+    submit(step) -> handle          start one step (a StepInput, or one per data-parallel group)
+    wait(handle) -> StepOutput      its output (a list of them for a list of inputs); raises
+                                    WorkerError for a lost worker, the step's own error otherwise
+    execute(step) -> StepOutput     submit + wait
+    num_blocks: int                 KV blocks per data-parallel group (the same on every worker)
+    device                          "cpu" / "cuda" or a torch.device: where the target runs
+    transport: str                  how a step reaches the model: in_process, compiled_graph, actor_calls
+    last_wire_s: float              seconds the last step spent pickling here (0 in process)
+    reports: list[dict]             what each worker holds (the workers' setup reports)
+    comm_stats() -> list[dict]      bytes each rank sent per collective kind
+    device_reports() -> list[dict]  each device's memory, for the cost ledger
+    shutdown()
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .config import Config
+from .cost import device_kind
+from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
+from .model.loader import load_model
+from .model.spec import ModelSpec
+from .step import StepInput, StepOutput, execute_step
+
+# executor name -> the module that implements it outside the core (see backend())
+BACKENDS = {"ray": "actors.backend"}
+
+
+def backend(name: str):
+    """The module of a named backend (`ray`: actors.backend), which provides its executor, drafter
+    group and remote engine client; imported on first use so that the core runs without it."""
+    try:
+        return importlib.import_module(BACKENDS[name])
+    except KeyError:
+        raise ValueError(f"no backend named {name!r}; known: {', '.join(BACKENDS)}") from None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LocalExecutor:
+    """`executor: local`: the whole model on one device in this process."""
+
+    transport = "in_process"  # how a step reaches the model (Cluster: compiled_graph or actor_calls)
+    last_wire_s = 0.0  # nothing is pickled in process
+    reports: list = []  # no workers
+
+    def __init__(self, cfg: Config, spec: ModelSpec):
+        if cfg.parallel.threads_per_worker:
+            torch.set_num_threads(cfg.parallel.threads_per_worker)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.parallel.device)
+        self.model = load_model(cfg.model.path, spec, device=self.device)
+        sc = cfg.scheduler
+        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
+        allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
+        self._prev_sampled = None
+
+    def submit(self, step: StepInput) -> StepOutput:
+        """Run the step now (in process there is nothing to overlap); `wait` hands back its output."""
+        out = execute_step(self.model, step, self.device, prev_sampled=self._prev_sampled)
+        self._prev_sampled = out.sampled
+        return out
+
+    def wait(self, handle: StepOutput) -> StepOutput:
+        return handle
+
+    def device_reports(self) -> list[dict]:
+        """This process's device, as Cluster.device_reports gives each worker's."""
+        per_block = kv_bytes_per_block(self.model, self.cfg.scheduler.block_size)
+        expert = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n.endswith((".w13", ".w2")))
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return [{"role": "target", "rank": 0, "kind": device_kind(self.device.type), "group": 0,
+                 "kv_bytes_per_block": per_block, "expert_bytes": expert,
+                 "memory": {"weights": weights, "kv_pool": per_block * self.num_blocks}}]
+
+    def comm_stats(self) -> list[dict]:
+        return []  # one device: no collectives
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.wait(self.submit(step))
+
+    def shutdown(self) -> None:
+        self.model = None
+
+
+def make_executor(cfg: Config, spec: ModelSpec):
+    """The executor `parallel.executor` names."""
+    if cfg.parallel.executor == "local":
+        return LocalExecutor(cfg, spec)
+    return backend(cfg.parallel.executor).Executor(cfg, spec)

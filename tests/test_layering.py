@@ -1,0 +1,77 @@
+"""The layering: the core never imports the Ray side (import-linter's contracts in pyproject.toml),
+and no import cycle among the project's modules, counting imports inside functions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dspark_cluster", "actors", "parallel")
+
+
+def test_import_contracts_hold():
+    res = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                          "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 kept, 0 broken" in res.stdout, res.stdout
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    modules = sorted(m for m in graph.modules if m.split(".")[0] in PACKAGES)
+    edges = {m: sorted(n for n in graph.find_modules_directly_imported_by(m) if n.split(".")[0] in PACKAGES)
+             for m in modules}
+    index, low, on, stack, comps = {}, {}, set(), [], []
+    for root in modules:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = len(index)
+                stack.append(v)
+                on.add(v)
+            if i < len(edges[v]):
+                work.append((v, i + 1))
+                w = edges[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            for w in edges[v]:
+                if w in on:
+                    low[v] = min(low[v], low[w])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    return comps
+
+
+def test_no_import_cycle():
+    graph = grimp.build_graph(*PACKAGES)  # every import statement, those inside functions included
+    assert "actors.cluster" in graph.find_modules_directly_imported_by("actors.backend")
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    class Graph:
+        modules = {"actors.a", "actors.b", "actors.c", "dspark_cluster.d"}
+        imports = {"actors.a": {"actors.b"}, "actors.b": {"actors.c"}, "actors.c": {"actors.a"}, "dspark_cluster.d": set()}
+
+        def find_modules_directly_imported_by(self, m):
+            return self.imports[m]
+
+    assert import_cycles(Graph()) == [["actors.a", "actors.b", "actors.c"]]
