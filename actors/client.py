@@ -13,7 +13,7 @@ from ray.exceptions import RayError
 from dspark_cluster.config import Config
 from dspark_cluster.engine import load_tokenizer
 from dspark_cluster.errors import DSparkError, EngineError
-from dspark_cluster.llm import RequestOutput, StreamPiece
+from dspark_cluster.outputs import RequestOutput, StreamPiece
 from dspark_cluster.model.spec import load_spec
 from dspark_cluster.sampling import SamplingParams
 

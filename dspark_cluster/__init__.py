@@ -3,7 +3,8 @@ batching and speculative decoding. The core runs without Ray; `actors/` wraps it
 
 from .config import Config, load_config
 from .errors import CheckpointError, ConfigError, DSparkError, RequestError
-from .llm import LLM, RequestOutput, StreamPiece
+from .llm import LLM
+from .outputs import RequestOutput, StreamPiece
 from .sampling import SamplingParams
 
 __all__ = [

@@ -1,69 +1,75 @@
-"""AsyncEngine: the engine behind an asyncio API, stepping continuously in its own thread.
+"""AsyncEngine: the engine core behind an asyncio API, stepping continuously in its own thread.
 
 Requests join the running batch at the next step and leave it as soon as they finish
 (iteration-level scheduling). Callers `submit` (validated at once, in the caller's thread),
-then `stream` the pieces or await the `result`. The step thread owns the engine: commands reach it
-through a queue, and tokens come back to the event loop with `call_soon_threadsafe`.
-The Ray `Router` actor is this class behind a Ray handle; the HTTP server and `dspark run`
-use it too.
+then `stream` the pieces or await the `result`. The step thread owns the `EngineCore`: commands
+reach it through a queue, and each request's outputs (tokens and the text they completed, made in
+the step thread) come back to its event loop with `call_soon_threadsafe`. The Ray `Router` actor
+is this class behind a Ray handle; the HTTP server and `dspark run` use it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
-from collections import deque
 import threading
 import time
 from typing import AsyncIterator, Optional
 
 from .config import Config
-from .engine import LLMEngine, TokenEvent
+from .engine import LLMEngine
+from .engine_core import EngineCore, Output, request_output
 from .errors import EngineError, RequestError, StepError
-from .llm import RequestOutput, StreamPiece, _Detokenizer
+from .outputs import RequestOutput, StreamPiece
 from .sampling import SamplingParams
-from .sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-FINISHED_KEPT = 1024  # finished requests' metrics a server keeps for inspection
 
 
 class AsyncEngine:
     def __init__(self, cfg: Config, metrics=None):
         self.cfg = cfg
-        self.engine = LLMEngine(cfg)
+        self.core = EngineCore(LLMEngine(cfg), metrics)
+        self.engine = self.core.engine
         self.tokenizer = self.engine.tokenizer
-        self.metrics = metrics  # optional sink: observe_step(dict), observe_request(Sequence)
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = threading.Event()
-        # request id -> (the event loop of its caller, its event queue)
+        # request id -> (the event loop of its caller, its output queue), from submit until its
+        # consumer is done (or, with no consumer, until it is aborted)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._seqs: dict[str, Sequence] = {}
+        self._consumed: set[str] = set()  # requests whose outputs someone is reading
         self._stop = False
         self._error: Optional[BaseException] = None
-        # per-request metrics of the latest finished requests (bounded: a server runs for long); a
-        # workload run records all of its own
-        self.finished = deque(maxlen=FINISHED_KEPT)
-        self.num_finished = 0
-        self._ledger_t = 0.0  # when the metrics sink last got the cost ledger
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def finished(self):
+        """Per-request metrics of the latest finished requests (a workload run keeps all of its own)."""
+        return self.core.finished
+
+    @finished.setter
+    def finished(self, value) -> None:
+        self.core.finished = value
+
+    @property
+    def num_finished(self) -> int:
+        return self.core.num_finished
+
     # ---- the step thread ------------------------------------------------------------------
     def _run(self) -> None:
-        eng = self.engine
+        core = self.core
         while not self._stop:
             self._drain_commands()
-            if not eng.has_unfinished():
-                self._wake.wait(0.05)
+            if not core.has_unfinished():
+                self._wake.wait(1.0)  # submit, abort and commands wake it
                 self._wake.clear()
                 continue
-            steps, restarts = eng.num_steps, eng.num_restarts
             try:
-                events = eng.step()
+                outputs = core.step()
             except StepError as e:  # that step's requests fail; the engine and the others go on
                 self._fail(e.request_ids, e)
                 continue
@@ -73,18 +79,7 @@ class AsyncEngine:
                     f"the engine stopped after an internal error ({type(e).__name__}); see the server log")
                 self._fail(list(self._queues), self._error)
                 return
-            if self.metrics is not None and eng.num_restarts != restarts:
-                self.metrics.observe_restarts(eng.num_restarts - restarts)
-            if eng.num_steps != steps and self.metrics is not None:
-                self.metrics.observe_step(eng.step_stats[-1])
-                if eng.balancer is not None and eng.num_steps % 10 == 0:  # cheap, but not every step
-                    self.metrics.observe_experts(eng.balancer.balancedness().tolist(), len(eng.balancer.events))
-                if time.monotonic() - self._ledger_t > 5.0:  # the cost gauges move slowly
-                    self._ledger_t = time.monotonic()
-                    ledger = self._live_ledger()
-                    if ledger is not None:
-                        self.metrics.observe_ledger(ledger)
-            self._deliver(events)
+            self._deliver(outputs)
 
     def _drain_commands(self) -> None:
         while True:
@@ -92,8 +87,9 @@ class AsyncEngine:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self.engine.enqueue(arg)
+            if kind == "add":  # a list: requests submitted together join the same step
+                for seq in arg:
+                    self.core.add(seq)
             elif kind == "rebalance":
                 self.engine.rebalance_now()
             elif kind == "speculation":
@@ -106,27 +102,16 @@ class AsyncEngine:
                 except BaseException as e:  # noqa: BLE001 -- the caller gets it (RequestError: no such version)
                     done.set_exception(e)
             elif kind == "abort":
-                removed = self.engine.abort_request(arg)
-                self._deliver([TokenEvent(s.request_id, [], True, "abort", s) for s in removed])
+                self._deliver(self.core.abort(arg))
 
-    def _deliver(self, events: list[TokenEvent]) -> None:
-        for ev in events:
-            if ev.finished:
-                self.engine.release(ev.request_id)
-                self.num_finished += 1
-                m = dict(request_id=ev.request_id, finish_reason=ev.finish_reason, **ev.seq.metrics())
-                self.finished.append(m)
-                if self.metrics is not None:
-                    self.metrics.observe_request(ev.seq)
-            self._put(ev.request_id, ev)
+    def _deliver(self, outputs: list[Output]) -> None:
+        for o in outputs:
+            self._put(o.event.request_id, o)
 
     def _fail(self, request_ids, error: BaseException) -> None:
         """Hand `error` to these requests' streams (their sequences are already finished)."""
+        self.core.failed(request_ids)
         for rid in request_ids:
-            self.num_finished += 1
-            seq = self._seqs.get(rid)
-            if seq is not None:  # in the report too, with its reason
-                self.finished.append(dict(request_id=rid, finish_reason=seq.finish_reason or "error", **seq.metrics()))
             self._put(rid, error)
 
     def _put(self, request_id: str, item) -> None:
@@ -137,75 +122,87 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, item)
 
     # ---- the asyncio API ------------------------------------------------------------------
-    def submit(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
-        """Validate (raises RequestError here) and queue a request; returns its id. Call from the
-        event loop's thread."""
+    def _check_up(self) -> None:
         if self._error is not None:
             raise EngineError(f"the engine stopped after an error: {self._error}")
-        seq = self.engine.make_sequence(prompt, params, request_id)
+
+    def _queue(self, seq) -> None:
         if seq.request_id in self._queues:
             raise RequestError(f"request_id: {seq.request_id!r} is already in use")
         self._queues[seq.request_id] = (asyncio.get_running_loop(), asyncio.Queue())
-        self._seqs[seq.request_id] = seq
-        self._commands.put(("add", seq))
+
+    def submit(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
+        """Validate (raises RequestError here) and queue a request; returns its id. Call from the
+        event loop's thread; then read its outputs with stream() or result() (or abort it)."""
+        self._check_up()
+        seq = self.engine.make_sequence(prompt, params, request_id)
+        self._queue(seq)
+        self._commands.put(("add", [seq]))
         self._wake.set()
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: it leaves the batch at the next step and its KV blocks are freed."""
+        """Cancel a request: it leaves the batch at the next step and its KV blocks are freed. One
+        nobody reads (submitted, then given up on) has its queue dropped now."""
+        if request_id not in self._consumed:
+            self._queues.pop(request_id, None)
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    async def _events(self, request_id: str) -> AsyncIterator[TokenEvent]:
-        """The request's token events until it finishes; an engine error is raised here."""
+    async def _outputs(self, request_id: str) -> AsyncIterator[Output]:
+        """The request's outputs until it finishes; an engine error is raised here. Leaving early
+        aborts the request; its queue goes either way."""
         _, q = self._queues[request_id]
-        seq = self._seqs[request_id]
+        self._consumed.add(request_id)
+        finished = False
         try:
             while True:
-                ev = await q.get()
-                if isinstance(ev, EngineError):  # its message is meant for clients
-                    raise ev
-                if isinstance(ev, BaseException):
-                    raise EngineError(f"request {request_id} failed ({type(ev).__name__}); see the server log") from ev
-                yield ev
-                if ev.finished:
+                item = await q.get()
+                if isinstance(item, EngineError):  # its message is meant for clients
+                    finished = True
+                    raise item
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise EngineError(f"request {request_id} failed ({type(item).__name__}); see the server log") from item
+                finished = item.event.finished
+                yield item
+                if finished:
                     return
         finally:
-            if not seq.finished:
-                self.abort(request_id)  # the consumer went away: free the KV
+            if not finished:
+                self._commands.put(("abort", request_id))  # the consumer went away: free the KV
+                self._wake.set()
+            self._consumed.discard(request_id)
             self._queues.pop(request_id, None)
-            self._seqs.pop(request_id, None)
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamPiece]:
-        seq = self._seqs[request_id]
-        detok = _Detokenizer(self.tokenizer)
-        async with contextlib.aclosing(self._events(request_id)) as events:
-            async for ev in events:
-                text = detok.delta(seq.output_token_ids, final=ev.finished)
-                yield StreamPiece(request_id, ev.new_token_ids, text, ev.finished, ev.finish_reason)
+        async with contextlib.aclosing(self._outputs(request_id)) as outputs:
+            async for o in outputs:
+                yield o.piece()
 
     async def result(self, request_id: str) -> RequestOutput:
-        """Wait for the whole output; the text is decoded once at the end, not per step."""
-        seq = self._seqs[request_id]
-        async with contextlib.aclosing(self._events(request_id)) as events:
-            async for _ in events:
-                pass
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=_Detokenizer(self.tokenizer).full(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics(),
-        )
+        """Wait for the whole output (its text made as the tokens came, in the step thread)."""
+        text, last = [], None
+        async with contextlib.aclosing(self._outputs(request_id)) as outputs:
+            async for o in outputs:
+                text.append(o.text)
+                last = o
+        return request_output(last.event.seq, "".join(text))
 
     async def generate(self, prompts, params) -> list[RequestOutput]:
-        """Submit all prompts (all validated first), then wait for every result."""
-        seqs = []
-        for p, sp in zip(prompts, params):
-            seqs.append(self.engine.make_sequence(p, sp))  # validate every prompt before queueing any
-        ids = [self.submit(s.token_ids, s.params, s.request_id) for s in seqs]
-        return list(await asyncio.gather(*(self.result(rid) for rid in ids)))
+        """Validate every prompt, then submit them together (they join the same step) and wait for
+        every result; the first failure is raised once all have ended."""
+        self._check_up()
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        for s in seqs:
+            self._queue(s)
+        self._commands.put(("add", seqs))
+        self._wake.set()
+        results = await asyncio.gather(*(self.result(s.request_id) for s in seqs), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)
 
     async def run_workload(self, requests, on_finish=None) -> dict:
         """Replay a workload in real time: each request is submitted at its arrival offset.
@@ -269,18 +266,8 @@ class AsyncEngine:
             "speculation_enabled": eng.scheduler.speculation_enabled,
             "speculative": eng.speculative_summary(),
             "verify_budget": eng.step_stats[-1]["verify_budget"] if eng.step_stats else 0,
-            "cost": self._live_ledger(),
+            "cost": self.core.live_ledger(),
         }
-
-    def _live_ledger(self) -> Optional[dict]:
-        """The cost ledger since start, without the bytes communicated (a call to every worker) and
-        with the devices' memory as last read (constant time after the first call); None if it
-        cannot be made (/health must answer whatever the ledger does)."""
-        try:
-            return self.engine.cost_ledger(num_requests=self.num_finished, refresh=False)
-        except Exception as e:  # noqa: BLE001
-            log.warning("cost ledger unavailable (%s: %s)", type(e).__name__, e)
-            return None
 
     def rebalance_now(self) -> None:
         """Ask for an expert rebalance at the next step."""
@@ -306,8 +293,6 @@ class AsyncEngine:
         return await self._drafter_command("resume")
 
     async def _drafter_command(self, arg) -> dict:
-        import concurrent.futures
-
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("rollback_drafter", (arg, done)))
         self._wake.set()

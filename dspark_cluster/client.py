@@ -21,7 +21,7 @@ from typing import AsyncIterator, Optional
 from .async_engine import AsyncEngine
 from .config import Config
 from .executor import backend
-from .llm import StreamPiece
+from .outputs import StreamPiece
 from .sampling import SamplingParams
 
 

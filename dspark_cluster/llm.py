@@ -1,57 +1,26 @@
-"""The public API: `LLM(model, config).generate(prompts, params)` and `.stream(prompt, params)`."""
+"""The public API: `LLM(model, config).generate(prompts, params)` and `.stream(prompt, params)`.
+
+A synchronous client: in process it steps the same `EngineCore` the asynchronous engine runs (in
+the caller's thread, until its requests finish); with `executor: ray` it asks the Router actor,
+whose AsyncEngine runs that core.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 from .config import load_config
 from .engine import LLMEngine
+from .engine_core import EngineCore, request_output
 from .errors import RequestError
 from .executor import backend
+from .outputs import RequestOutput, StreamPiece
 from .sampling import SamplingParams
 
 Prompt = Union[str, list[int]]
 
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: Optional[str]
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class StreamPiece:
-    """New tokens of one request, as they are made; the last piece has `finished` set."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str  # text delta (complete characters only)
-    finished: bool = False
-    finish_reason: Optional[str] = None
-
-
-class _Detokenizer:
-    """Incremental text: decode the whole output, emit what is new and complete."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.emitted = ""
-
-    def full(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def delta(self, ids, final: bool) -> str:
-        text = self.full(ids)
-        if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
-        new, self.emitted = text[len(self.emitted) :], text
-        return new
+__all__ = ["LLM", "RequestOutput", "StreamPiece"]
 
 
 class LLM:
@@ -62,14 +31,15 @@ class LLM:
         overrides = {"model.path": str(model)} if model is not None else None
         self.config = load_config(config, overrides)
         self.engine = None  # executor: local -- the engine runs in this process
+        self._core: Optional[EngineCore] = None
         self._remote = None  # executor: ray -- a client of the Router actor that owns the engine
         self.router = None  # (and that actor's handle)
         if self.config.parallel.executor != "local":
             self._remote = backend(self.config.parallel.executor).RouterClient.start(self.config)
             self.router, self.tokenizer = self._remote.handle, self._remote.tokenizer
         else:
-            self.engine = LLMEngine(self.config)
-            self.tokenizer = self.engine.tokenizer
+            self._core = EngineCore(LLMEngine(self.config))
+            self.engine, self.tokenizer = self._core.engine, self._core.tokenizer
 
     # ---- generation ------------------------------------------------------------------------
     def _params_list(self, n, params) -> list[SamplingParams]:
@@ -88,58 +58,45 @@ class LLM:
         plist = self._params_list(len(prompts), params)
         if self._remote is not None:
             return self._remote.generate(prompts, plist)
-        ids = []
+        core = self._core
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]  # all validated first
+        texts = {s.request_id: [] for s in seqs}
+        pending = set(texts)
         try:
-            for p, sp in zip(prompts, plist):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        pending = set(ids)
-        while pending:
-            for ev in self.engine.step():
-                if ev.finished:
-                    pending.discard(ev.request_id)
-        self.engine.drain()  # async scheduling: a step scheduled past the last stop token
-        return [self._output(rid) for rid in ids]
+            for s in seqs:
+                core.add(s)
+            while pending:
+                for o in core.step():
+                    rid = o.event.request_id
+                    if rid in texts:
+                        texts[rid].append(o.text)
+                        if o.event.finished:
+                            pending.discard(rid)
+        finally:
+            for rid in pending:  # a failed step, an interrupt: none of this call's requests is left running
+                core.abort(rid)
+            core.drain()  # async scheduling: a step scheduled past the last stop token
+        return [request_output(s, "".join(texts[s.request_id])) for s in seqs]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamPiece]:
         if self._remote is not None:
             yield from self._remote.stream(prompt, params or SamplingParams())
             return
-        rid = self.engine.add_request(prompt, params or SamplingParams())
-        detok = _Detokenizer(self.tokenizer)
-        seq = self.engine.seqs[rid]
+        core = self._core
+        seq = self.engine.make_sequence(prompt, params or SamplingParams())
+        core.add(seq)
+        done = False
         try:
-            done = False
             while not done:
-                for ev in self.engine.step():
-                    if ev.request_id != rid:
-                        continue
-                    done = ev.finished
-                    text = detok.delta(seq.output_token_ids, final=done)
-                    yield StreamPiece(rid, ev.new_token_ids, text, done, ev.finish_reason)
+                for o in core.step():
+                    if o.event.request_id == seq.request_id:
+                        done = o.event.finished
+                        yield o.piece()
         finally:
-            if not seq.finished:
-                self.engine.abort_request(rid)  # the consumer stopped early: free the KV
-            self.engine.drain()
-            self.engine.release(rid)
+            if not done:
+                core.abort(seq.request_id)  # the consumer stopped early: free the KV
+            core.drain()
 
-    def _output(self, rid: str) -> RequestOutput:
-        seq = self.engine.seqs[rid]
-        self.engine.release(rid)
-        detok = _Detokenizer(self.tokenizer)
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=detok.full(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics(),
-        )
-
-    # ---- lifecycle -------------------------------------------------------------------------
     # ---- online drafter calibration ---------------------------------------------------------
     def drafter_status(self) -> dict:
         """The serving drafter version, the history of versions (version, time, rounds trained on,
@@ -163,10 +120,11 @@ class LLM:
             return self._remote.resume_drafter()
         return self.engine.resume_drafter()
 
+    # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-            self.engine = None
+            self.engine = self._core = None
         if self._remote is not None:
             self._remote.shutdown()
             self._remote = self.router = None

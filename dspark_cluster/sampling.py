@@ -17,6 +17,9 @@ INT64_MAX = 2**63 - 1  # seeds, top_k and token ids travel to the workers as int
 MAX_TOKENS_LIMIT = 2**31
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 2048  # stop strings are checked against the text at every token
+
+
 class SamplingParams(BaseModel):
     """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable the filters."""
 
@@ -29,6 +32,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, le=INT64_MAX)
     seed: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     stop_token_ids: tuple[Annotated[int, Field(ge=0, le=INT64_MAX)], ...] = ()
+    # stop strings: the output ends at the first one (not included), checked as its text is made
+    stop: tuple[Annotated[str, Field(max_length=MAX_STOP_CHARS)], ...] = Field((), max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     speculative: bool = True  # per-request switch for speculative decoding
     calibrate: bool = True  # this request's verify rounds may teach the drafter (online calibration)

@@ -54,13 +54,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .client import EngineClient
 from .cost import label_names, ledger_metrics
 from .errors import ConfigError, EngineError, RequestError
-from .sampling import INT64_MAX, MAX_TOKENS_LIMIT, SamplingParams
+from .sampling import INT64_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # 8 MiB
 MAX_JSON_DEPTH = 64  # nesting levels a request body may have (OpenAI bodies need about 6)
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 2048  # checked against the text on every token, on the event loop
 MAX_STOP_TOKEN_IDS = 1024  # checked by the engine on every token
 HTTP_THREADS = 4  # the pool that parses, templates and tokenises (off the event loop)
 REQUEST_ID_KEY = "dspark.request_id"  # in the ASGI scope; also the x-request-id response header
@@ -399,32 +398,6 @@ class _LimitBody:
 # ---------------------------------------------------------------------------------------------
 
 
-class _StopChecker:
-    """Stop strings over streamed text: holds back the last (longest stop - 1) characters until
-    they cannot start a stop string, and cuts the text where one appears."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
-        """New text -> (text safe to send now, whether a stop string ended the output)."""
-        start = max(0, len(self.text) - self.hold)
-        self.text += delta
-        if self.stops:
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
-            if hits:
-                cut = min(hits)
-                self.text = self.text[:cut]
-                out, self.sent = self.text[self.sent:], cut
-                return out, True
-        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out, False
-
-
 @dataclass
 class _Delta:
     text: str
@@ -439,7 +412,6 @@ class _Job:
     index: int
     request_id: str
     num_prompt_tokens: int
-    stops: list[str]
     text: str = ""
     num_tokens: int = 0
     finish_reason: Optional[str] = None
@@ -457,7 +429,6 @@ class _Generation:
         self.client, self.metrics, self.jobs, self.arrival, self.n = client, metrics, jobs, arrival, n
 
     async def _pieces(self, job: _Job) -> AsyncIterator[_Delta]:
-        checker = _StopChecker(job.stops)
         async with contextlib.aclosing(self.client.stream(job.request_id)) as pieces:
             async for p in pieces:
                 now = time.monotonic()
@@ -467,15 +438,10 @@ class _Generation:
                         job.t_first = now
                         self.metrics.ttft.observe(now - self.arrival)
                     job.t_last = now
-                text, stopped = checker.feed(p.text, p.finished)
-                job.text += text
-                if stopped:  # returning closes the engine stream before its end: the request is aborted
-                    job.finish_reason = "stop"
-                    yield _Delta(text, len(p.token_ids), "stop")
-                    return
+                job.text += p.text  # stop strings were applied where the tokens were made
                 if p.finished:
                     job.finish_reason = p.finish_reason or "stop"
-                yield _Delta(text, len(p.token_ids), job.finish_reason if p.finished else None)
+                yield _Delta(p.text, len(p.token_ids), job.finish_reason if p.finished else None)
                 if p.finished:
                     return
 
@@ -784,9 +750,10 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         if not all(0 <= t <= INT64_MAX for t in ids):  # the engine names those outside its vocabulary
             raise APIError(400, f"{param}: token ids must be in [0, 2**63 - 1]", param=param, code="invalid_value")
 
-    def sampling(req, max_tokens: int, i: int) -> SamplingParams:
+    def sampling(req, max_tokens: int, i: int, stops: tuple) -> SamplingParams:
         try:
             return SamplingParams(
+                stop=stops,
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -812,10 +779,10 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                     prefix: str) -> tuple[str, _Generation]:
         """Submit every choice (prompt-major, n per prompt); on a refusal abort the ones queued."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         jobs, submitted = [], []
         arrival = time.monotonic()
-        params = [sampling(req, mt, i) for mt in max_tokens for i in range(req.n)]
+        params = [sampling(req, mt, i, stops) for mt in max_tokens for i in range(req.n)]
         try:
             for p, ids in enumerate(prompts):
                 for i in range(req.n):
@@ -823,7 +790,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                     engine_id = rid if len(prompts) * req.n == 1 else f"{rid}-{index}"
                     await client.submit(ids, params[index], engine_id)
                     submitted.append(engine_id)
-                    jobs.append(_Job(index, engine_id, len(ids), stops))
+                    jobs.append(_Job(index, engine_id, len(ids)))
         except BaseException as e:
             for r in submitted:
                 client.abort(r)

@@ -836,6 +836,12 @@ def test_serving_through_the_router_actor(ray_cluster, chat_checkpoint):
                                                  stream_options={"include_usage": True}, **GREEDY))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
         assert chunks[-1].usage.completion_tokens == 8 == full.usage.completion_tokens
+        # a stop string ends the request in the Router, in the step that completed it
+        text = full.choices[0].message.content
+        stop = text.split()[len(text.split()) // 2]
+        stopped = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stop=[stop], **GREEDY)
+        assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == (text[: text.find(stop)], "stop")
+        assert stopped.usage.completion_tokens <= len(text.split()) // 2 + 1 < 8
         with pytest.raises(openai.BadRequestError) as e:
             oa.completions.create(model=MODEL, prompt=[99999], max_tokens=2)  # refused by the router's engine
         assert "vocabulary" in e.value.message

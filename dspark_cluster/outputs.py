@@ -1,0 +1,114 @@
+"""What a request gives back, and how its text is made: `RequestOutput` (a whole request),
+`StreamPiece` (what one step added), and `OutputProcessor` (per request: incremental
+detokenisation and stop strings, run where the tokens are produced, in the engine's step thread).
+
+Text costs O(1) per token (tokenizers' `DecodeStream` over the fast tokenizer) instead of a decode
+of the whole output at every step; the last piece flushes what the stream held back (an incomplete
+UTF-8 sequence), so the full text equals `tokenizer.decode(output_ids, skip_special_tokens=True)`.
+A stop string ends the request in the step that completed it (no abort round trip from a client):
+the text is cut before it, and the last `len(longest stop) - 1` characters are held back until
+they cannot begin one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamPiece:
+    """New tokens of one request, as they are made; the last piece has `finished` set."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # text delta (complete characters only; a stop string and what follows it never appear)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+
+
+class Detokenizer:
+    """Incremental text of one output. With a fast tokenizer each token is one DecodeStream step;
+    otherwise (a slow tokenizer) the whole output is decoded again, as before."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.emitted = ""  # the text given out so far
+        self._ids: list[int] = []
+        self._stream = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers have one
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
+
+    def full(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """The text these new tokens complete (the rest of the text, on the last call)."""
+        if self.tokenizer is None:
+            return ""
+        self._ids += token_ids
+        if self._stream is not None and not final:
+            new = "".join(p for p in (self._stream.step(self._backend, t) for t in token_ids) if p)
+        else:  # the last piece, or a slow tokenizer: from the whole output
+            text = self.full(self._ids)
+            if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+                return ""
+            new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += new
+        return new
+
+
+class StopStrings:
+    """Stop strings over a request's text as it grows: `feed(new_text)` -> (text safe to give out
+    now, whether a stop string ended the output)."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything received
+        self.sent = 0  # characters of it given out
+
+    def feed(self, new: str, final: bool) -> tuple[str, bool]:
+        start = max(0, len(self.text) - self.hold)  # a stop may begin in the held-back tail
+        self.text += new
+        if self.stops:
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
+            if hits:
+                cut = min(hits)
+                out, self.sent = self.text[self.sent : cut], cut
+                return out, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent : end], end
+        return out, False
+
+
+class OutputProcessor:
+    """One request's output, fed by the engine's step thread: text deltas, and whether a stop
+    string ended it."""
+
+    def __init__(self, tokenizer, stops=()):
+        self.detok = Detokenizer(tokenizer)
+        self.stops = StopStrings(stops) if stops else None
+        self.text = ""  # the text given out (the output's, cut at a stop string)
+
+    def add(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
+        """-> (text delta, stopped by a stop string)."""
+        new = self.detok.add(token_ids, final)
+        stopped = False
+        if self.stops is not None:
+            new, stopped = self.stops.feed(new, final)
+        self.text += new
+        return new, stopped
