@@ -117,7 +117,7 @@ class ShardWorker:
         return data
 
     def _step(self, step_input):
-        from dspark_cluster.step import execute_step
+        from dspark_cluster.step_exec import execute_step
 
         if isinstance(step_input, list):  # one StepInput per data-parallel group
             step_input = step_input[self.state.dp_rank]

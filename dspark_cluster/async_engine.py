@@ -176,9 +176,11 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamPiece]:
+        first = True
         async with contextlib.aclosing(self._outputs(request_id)) as outputs:
             async for o in outputs:
-                yield o.piece()
+                yield o.piece(first)
+                first = False
 
     async def result(self, request_id: str) -> RequestOutput:
         """Wait for the whole output (its text made as the tokens came, in the step thread)."""

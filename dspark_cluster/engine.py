@@ -32,7 +32,8 @@ from .speculative.drafting import Drafter
 from .speculative.proposers import DraftRequest
 from .speculative.spec_decode import Proposal
 from .speculative.verify_budget import StepCost, VerifyPlanner
-from .step import StepInput, build_step_input, profile_input
+from .outputs import TokenLogprob
+from .step import StepInput, StepOutput, build_step_input, profile_input
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class TokenEvent:
     finished: bool
     finish_reason: Optional[str]
     seq: Sequence
+    logprobs: Optional[list] = None  # a TokenLogprob per new token (SamplingParams.logprobs)
 
 
 @dataclass
@@ -74,6 +76,32 @@ class _InFlight:
     ahead_ok: bool  # built for async scheduling: the next step may take its tokens as inputs
     processed: bool = False  # its tokens were handed to the scheduler
     scheduled_ahead: bool = False  # submitted while the step before it ran (its wait includes that one)
+
+
+def _token_logprobs(rows, sampled: dict, out: StepOutput) -> dict:
+    """seq_id -> a TokenLogprob per token each sample row produced (rows that asked for them)."""
+    out_lp, out_ids, out_top = out.token_logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    lps = {}
+    for i, s in enumerate(rows):
+        k = s.seq.params.logprobs
+        if k is None or s.seq.seq_id not in sampled:
+            continue
+        lps[s.seq.seq_id] = [TokenLogprob(tok, out_lp[i][j], tuple(zip(out_ids[i][j][:k], out_top[i][j][:k])))
+                             for j, tok in enumerate(sampled[s.seq.seq_id])]
+    return lps
+
+
+def _store_prompt_logprobs(scheduled, step_in: StepInput, out: StepOutput) -> None:
+    """Each scored prompt token's TokenLogprob, at its index in its sequence (a chunk computed
+    again after a preemption writes the same values again)."""
+    lp, ids, top = out.prompt_token_logprobs.tolist(), out.prompt_top_ids.tolist(), out.prompt_top_logprobs.tolist()
+    for i, (row, index, target) in enumerate(zip(step_in.prompt_lp_row.tolist(), step_in.prompt_lp_index.tolist(),
+                                                 step_in.prompt_lp_target.tolist())):
+        seq = scheduled[row].seq
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+        k = seq.params.prompt_logprobs
+        seq.prompt_logprobs[index] = TokenLogprob(target, lp[i], tuple(zip(ids[i][:k], top[i][:k])))
 
 
 def _rollback(scheds: list) -> None:
@@ -481,6 +509,9 @@ class LLMEngine:
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
             sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
+            token_lps = _token_logprobs(rows, sampled, out) if out.token_logprobs is not None else {}
+            if out.prompt_token_logprobs is not None:
+                _store_prompt_logprobs(sc.scheduled, step_in, out)
             if self.drafter is not None:
                 for s in rows:
                     if s.proposal is not None:
@@ -496,7 +527,11 @@ class LLMEngine:
                                          [s.num_draft for s in drafted],
                                          [len(sampled[s.seq.seq_id]) - 1 for s in drafted])
             for seq, new in g.update(sc.scheduled, sampled):
-                events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq))
+                lps = token_lps.get(seq.seq_id)
+                if lps is not None:
+                    lps = lps[: len(new)]  # a stop token or the length limit may end the row early
+                    seq.output_logprobs.extend(lps)
+                events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq, lps))
                 self.num_output_tokens += len(new)
         if self.drafter is not None:
             self.drafter.stats.verify_time_s += verify_time

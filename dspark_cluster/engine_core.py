@@ -32,15 +32,25 @@ class Output:
     event: TokenEvent
     text: str
 
-    def piece(self) -> StreamPiece:
+    def piece(self, first: bool = False) -> StreamPiece:
+        """first: the request's first piece, which carries its prompt log-probabilities (if asked)."""
         ev = self.event
-        return StreamPiece(ev.request_id, ev.new_token_ids, self.text, ev.finished, ev.finish_reason)
+        return StreamPiece(ev.request_id, ev.new_token_ids, self.text, ev.finished, ev.finish_reason, ev.logprobs,
+                           _prompt_logprobs(ev.seq) if first else None)
+
+
+def _prompt_logprobs(seq: Sequence) -> Optional[list]:
+    if seq.params.prompt_logprobs is None:
+        return None
+    return list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens)  # a one-token prompt has nothing scored
 
 
 def request_output(seq: Sequence, text: str) -> RequestOutput:
     return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                          token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
-                         metrics=seq.metrics())
+                         metrics=seq.metrics(),
+                         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                         prompt_logprobs=_prompt_logprobs(seq))
 
 
 class EngineCore:
@@ -103,7 +113,7 @@ class EngineCore:
                     if not ev.finished:  # the engine drops it before the next step: no round trip from a client
                         self.engine.abort_request(ev.request_id, "stop")
                     ev.seq.finish_reason = "stop"
-                    ev = TokenEvent(ev.request_id, ev.new_token_ids, True, "stop", ev.seq)
+                    ev = TokenEvent(ev.request_id, ev.new_token_ids, True, "stop", ev.seq, ev.logprobs)
             if ev.finished:
                 self._finish(ev.seq)
             outputs.append(Output(ev, text))

@@ -31,7 +31,8 @@ from .cost import device_kind
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
 from .model.loader import load_model
 from .model.spec import ModelSpec
-from .step import StepInput, StepOutput, execute_step
+from .step import StepInput, StepOutput
+from .step_exec import execute_step
 
 # executor name -> the module that implements it outside the core (see backend())
 BACKENDS = {"ray": "actors.backend"}

@@ -85,13 +85,13 @@ class LLM:
         core = self._core
         seq = self.engine.make_sequence(prompt, params or SamplingParams())
         core.add(seq)
-        done = False
+        started = done = False
         try:
             while not done:
                 for o in core.step():
                     if o.event.request_id == seq.request_id:
-                        done = o.event.finished
-                        yield o.piece()
+                        yield o.piece(first=not started)
+                        started, done = True, o.event.finished
         finally:
             if not done:
                 core.abort(seq.request_id)  # the consumer stopped early: free the KV

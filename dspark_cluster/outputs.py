@@ -15,6 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability and the most likely alternatives at its position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple = ()  # ((token_id, logprob), ...)
+
 
 @dataclass
 class RequestOutput:
@@ -24,6 +35,8 @@ class RequestOutput:
     text: str
     finish_reason: Optional[str]
     metrics: dict = field(default_factory=dict)
+    logprobs: Optional[list] = None  # SamplingParams.logprobs: a TokenLogprob per output token
+    prompt_logprobs: Optional[list] = None  # SamplingParams.prompt_logprobs: per prompt token (None first)
 
 
 @dataclass
@@ -35,6 +48,8 @@ class StreamPiece:
     text: str  # text delta (complete characters only; a stop string and what follows it never appear)
     finished: bool = False
     finish_reason: Optional[str] = None
+    logprobs: Optional[list] = None  # a TokenLogprob per token of this piece (SamplingParams.logprobs)
+    prompt_logprobs: Optional[list] = None  # on the first piece, with SamplingParams.prompt_logprobs
 
 
 class Detokenizer:
@@ -48,8 +63,6 @@ class Detokenizer:
         self._stream = None
         backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers have one
         if backend is not None:
-            from tokenizers.decoders import DecodeStream
-
             self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
 
     def full(self, ids) -> str:

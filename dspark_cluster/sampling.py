@@ -18,6 +18,7 @@ MAX_TOKENS_LIMIT = 2**31
 
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 2048  # stop strings are checked against the text at every token
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs bound)
 
 
 class SamplingParams(BaseModel):
@@ -37,6 +38,10 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     speculative: bool = True  # per-request switch for speculative decoding
     calibrate: bool = True  # this request's verify rounds may teach the drafter (online calibration)
+    # log-probabilities (of the target's law after temperature, before top-k / top-p): each output token's, with
+    # the `logprobs` most likely alternatives; prompt_logprobs: the same for each prompt token after the first
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # per-request k (capped by the config's)
     num_speculative_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
 

@@ -39,6 +39,10 @@ class Sequence:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.logprobs: one TokenLogprobs per output token; prompt_logprobs: one per prompt token
+    # (None for the first, which nothing predicts), filled by position (a recomputed chunk rewrites the same)
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:

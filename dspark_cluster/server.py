@@ -10,7 +10,10 @@ requests, which frees their KV blocks.
 Beyond OpenAI's fields, requests accept (top level or inside `extra_body`): `speculative` (bool,
 default true: speculative decoding for this request), `calibrate` (bool, default true: with online
 calibration on, this request's verify rounds may teach the drafter), `top_k`, `ignore_eos`,
-`stop_token_ids`.
+`stop_token_ids`. Log-probabilities (`logprobs` / `top_logprobs` in chat; `logprobs` and `echo` in
+completions, with the prompt's log-probabilities) are of the target's law after temperature, before
+top-k / top-p (prompt tokens: temperature 1), computed by the worker that samples. An unknown model
+is a 404; `logit_bias`, `suffix`, `tools` and the penalties are refused with a 400.
 
 Admin routes (behind the API key like `/v1/*`): `GET /admin/drafter` (the serving drafter version,
 its history and the calibration buffer), `POST /admin/drafter/rollback` with `{"version": N}`
@@ -42,7 +45,7 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -50,11 +53,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers.decoders import DecodeStream
 
 from .client import EngineClient
 from .cost import label_names, ledger_metrics
 from .errors import ConfigError, EngineError, RequestError
-from .sampling import INT64_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SamplingParams
+from .sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +188,7 @@ class _SamplingFields(_Body):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None  # refused unless empty (not applied by this server)
     user: Optional[str] = None
     # extensions (vLLM-style)
     speculative: bool = True
@@ -203,8 +208,8 @@ class DrafterRollbackRequest(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: Optional[int] = None
-    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # the top alternatives per token
+    echo: bool = False  # the prompt before the completion (with its log-probabilities when logprobs is set)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -225,7 +230,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list] = None
     response_format: Optional[dict] = None
 
@@ -403,6 +408,8 @@ class _Delta:
     text: str
     num_tokens: int
     finish_reason: Optional[str]
+    logprobs: Optional[list] = None  # a TokenLogprob per token of this delta
+    prompt_logprobs: Optional[list] = None  # on a choice's first delta (echo)
 
 
 @dataclass
@@ -412,6 +419,8 @@ class _Job:
     index: int
     request_id: str
     num_prompt_tokens: int
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per output token (when asked)
+    prompt_logprobs: Optional[list] = None  # per prompt token (echo with logprobs)
     text: str = ""
     num_tokens: int = 0
     finish_reason: Optional[str] = None
@@ -439,9 +448,14 @@ class _Generation:
                         self.metrics.ttft.observe(now - self.arrival)
                     job.t_last = now
                 job.text += p.text  # stop strings were applied where the tokens were made
+                if p.logprobs:
+                    job.logprobs += p.logprobs
+                if p.prompt_logprobs is not None:
+                    job.prompt_logprobs = p.prompt_logprobs
                 if p.finished:
                     job.finish_reason = p.finish_reason or "stop"
-                yield _Delta(p.text, len(p.token_ids), job.finish_reason if p.finished else None)
+                yield _Delta(p.text, len(p.token_ids), job.finish_reason if p.finished else None, p.logprobs,
+                             p.prompt_logprobs)
                 if p.finished:
                     return
 
@@ -697,8 +711,11 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         _check_json(data, max_items=max(max_model_len, 4096))
         req = _validate(model_cls, data)
         if req.model != served_model_name:
-            raise APIError(400, f"the model '{_clip(req.model)}' does not exist; this server serves "
+            raise APIError(404, f"the model '{_clip(req.model)}' does not exist; this server serves "
                                 f"'{served_model_name}'", code="model_not_found", param="model")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias: not supported by this server; leave it out", param="logit_bias",
+                           code="unsupported_parameter")
         if req.presence_penalty or req.frequency_penalty:
             param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{param}: not supported by this server; leave it at 0", param=param,
@@ -751,9 +768,16 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             raise APIError(400, f"{param}: token ids must be in [0, 2**63 - 1]", param=param, code="invalid_value")
 
     def sampling(req, max_tokens: int, i: int, stops: tuple) -> SamplingParams:
+        if isinstance(req, ChatCompletionRequest):
+            logprobs, prompt_logprobs = (req.top_logprobs or 0) if req.logprobs else None, None
+        else:
+            logprobs = req.logprobs
+            prompt_logprobs = req.logprobs if req.echo else None
         try:
             return SamplingParams(
                 stop=stops,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -847,6 +871,44 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         finally:
             metrics.streams_open.dec()
 
+    # ---- log-probabilities in OpenAI's shapes ------------------------------------------------
+    def token_str(token_id: int) -> str:
+        """A token's text on its own (the alternatives in top_logprobs)."""
+        tok = client.tokenizer
+        return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+
+    def token_texts():
+        """For one choice: ids -> the text each token adds to the choice's text so far (a DecodeStream
+        kept across calls, so the pieces concatenate to the text; a token that ends inside a
+        multi-byte character adds "", the next one the character)."""
+        tok = client.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)  # transformers' fast tokenizers
+        if backend is None:
+            return lambda ids: [token_str(t) for t in ids]
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda ids: [stream.step(backend, t) or "" for t in ids]
+
+    def completion_logprobs(texts, token_ids: list[int], entries: list, offset: int = 0) -> dict:
+        """/v1/completions' logprobs: tokens, token_logprobs, top_logprobs (the top alternatives and
+        the chosen token, as vLLM gives them), text_offset. texts: the choice's token_texts();
+        entries: a TokenLogprob per token, None for a prompt's first (nothing predicts it)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, e, s in zip(token_ids, entries, texts(token_ids)):
+            out["tokens"].append(s)
+            out["text_offset"].append(offset)
+            offset += len(s)
+            out["token_logprobs"].append(None if e is None else e.logprob)
+            out["top_logprobs"].append(None if e is None else {**{token_str(t): lp for t, lp in e.top}, s: e.logprob})
+        return out
+
+    def chat_logprobs(texts, entries: list) -> dict:
+        """/v1/chat/completions' logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        def one(s: str, logprob: float) -> dict:
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**one(s, e.logprob), "top_logprobs": [one(token_str(t), lp) for t, lp in e.top]}
+                            for e, s in zip(entries, texts([e.token_id for e in entries]))]}
+
     # ---- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(request: Request):
@@ -919,11 +981,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
     def prepare_completion(body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
         """(in the pool) the validated request and its prompts as token ids."""
         req: CompletionRequest = parse(body, CompletionRequest)
-        for field in ("logprobs", "suffix"):
-            if getattr(req, field) is not None:
-                raise APIError(400, f"{field}: not supported by this server", param=field, code="unsupported_parameter")
-        if req.echo:
-            raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported_parameter")
+        if req.suffix is not None:
+            raise APIError(400, "suffix: not supported by this server", param="suffix", code="unsupported_parameter")
         if req.best_of not in (None, 1, req.n):
             raise APIError(400, "best_of: not supported by this server (use n)", param="best_of",
                            code="unsupported_parameter")
@@ -948,6 +1007,10 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             check_len(ids, "prompt" if len(prompts) == 1 else f"prompt.{k}")
         return req, prompts
 
+    def prompt_text(ids: list[int]) -> str:
+        tok = client.tokenizer
+        return tok.decode(ids) if tok is not None else ""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_auth(request)
@@ -957,21 +1020,45 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
+            offsets: dict = {}  # choice -> characters of its text sent so far (text_offset)
+            texts: dict = {}  # choice -> its token_texts()
+
             def chunks(index, d):
-                if d.text or d.finish_reason is not None:
-                    yield {"index": index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                text, ids, entries = d.text, [e.token_id for e in d.logprobs or ()], list(d.logprobs or ())
+                if req.echo and index not in offsets:  # a choice's first chunk starts with its prompt
+                    prompt = prompts[index // req.n]
+                    text = prompt_text(prompt) + text
+                    ids, entries = prompt + ids, (d.prompt_logprobs or [None] * len(prompt)) + entries
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(texts.setdefault(index, token_texts()), ids, entries,
+                                                   offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                if text or d.finish_reason is not None or (logprobs and logprobs["tokens"]):
+                    yield {"index": index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
             return _SSEResponse(sse_events(request, gen, base, include_usage, chunks))
 
         jobs = await collect_unless_gone(request, gen)
-        choices = [{"index": j.index, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason} for j in jobs]
+        choices = []
+        for j in jobs:
+            prompt = prompts[j.index // req.n]
+            head = prompt_text(prompt) if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                out_ids = [e.token_id for e in j.logprobs]
+                logprobs = completion_logprobs(token_texts(), prompt + out_ids,
+                                               (j.prompt_logprobs or [None] * len(prompt)) + j.logprobs) \
+                    if req.echo else completion_logprobs(token_texts(), out_ids, j.logprobs)
+            choices.append({"index": j.index, "text": head + j.text, "logprobs": logprobs, "finish_reason": j.finish_reason})
         return {**base, "choices": choices, "usage": gen.usage()}
 
     def prepare_chat(body: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         """(in the pool) the validated request and its templated prompt as token ids."""
         req: ChatCompletionRequest = parse(body, ChatCompletionRequest)
-        if req.logprobs:
-            raise APIError(400, "logprobs: not supported by this server", param="logprobs", code="unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: set logprobs to true to use it", param="top_logprobs",
+                           code="invalid_value")
         if req.tools:
             raise APIError(400, "tools: not supported by this server", param="tools", code="unsupported_parameter")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -1018,9 +1105,12 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
+            texts: dict = {}  # choice -> its token_texts()
+
             def chunks(index, d):
-                if d.text:
-                    yield {"index": index, "delta": {"content": d.text}, "logprobs": None, "finish_reason": None}
+                logprobs = chat_logprobs(texts.setdefault(index, token_texts()), d.logprobs or []) if req.logprobs else None
+                if d.text or (logprobs and logprobs["content"]):
+                    yield {"index": index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": None}
                 if d.finish_reason is not None:
                     yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
 
@@ -1029,7 +1119,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             return _SSEResponse(sse_events(request, gen, base, include_usage, chunks, first=role))
 
         jobs = await collect_unless_gone(request, gen)
-        choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text}, "logprobs": None,
+        choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text},
+                    "logprobs": chat_logprobs(token_texts(), j.logprobs) if req.logprobs else None,
                     "finish_reason": j.finish_reason} for j in jobs]
         return {**base, "choices": choices, "usage": gen.usage()}
 

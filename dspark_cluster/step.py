@@ -1,25 +1,19 @@
-"""One step of continuous batching as data: `StepInput` in, `StepOutput` out.
-
-The scheduler side builds a StepInput (plain CPU tensors, small enough to send to every worker in
-one round); a worker runs `execute_step` on its model shard. Only token ids and expert load counts
-come back, never logits.
+"""One step of continuous batching as data: `StepInput` in, `StepOutput` out, and the scheduler
+side that builds a StepInput (plain CPU tensors, small enough to send to every worker in one round).
+A worker runs it with `step_exec.execute_step` on its model shard. Only token ids, expert load
+counts and (when asked) log-probabilities come back, never logits.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
 import torch
 
-from .model.attention import build_metadata
-from .sampling import sample
-from .speculative.calibration import record_rounds
-from .speculative.spec_decode import verify
-from .speculative.context import ContextRows, committed_rows
+from .speculative.context import ContextRows
 from .scheduler import ScheduledSeq
 
 
@@ -97,6 +91,15 @@ class StepInput(_NumpyWire):
     # online calibration: sample rows whose verify rounds are recorded (with the target's top-k law)
     record_rounds: Optional[torch.Tensor] = None  # [S] bool
     record_top_logprobs: int = 20
+    # log-probabilities: per sample row, how many top alternatives to return with each produced token's
+    # (-1: none); per prompt position scored, the flat input index whose law scores `prompt_lp_target`,
+    # and the scheduled row and token index it belongs to
+    logprobs: Optional[torch.Tensor] = None  # [S] long
+    prompt_lp_pos: Optional[torch.Tensor] = None  # [P] long
+    prompt_lp_target: Optional[torch.Tensor] = None  # [P] long
+    prompt_lp_row: Optional[torch.Tensor] = None  # [P] long, into the scheduled rows
+    prompt_lp_index: Optional[torch.Tensor] = None  # [P] long, the target's index in its sequence
+    prompt_lp_top: int = 0  # top alternatives per scored prompt position
 
 
 @dataclass
@@ -113,6 +116,14 @@ class StepOutput(_NumpyWire):
     between_s: float = 0.0  # a ShardWorker's time from returning the previous step to starting this one
     context: Optional[ContextRows] = None  # the exported rows (in process only; a worker sends them on)
     export_bytes: int = 0  # bytes of context rows this step exported
+    # StepInput.logprobs: [S, W] each produced token's log-probability, [S, W, k] the top k's ids and values
+    token_logprobs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
+    # StepInput.prompt_lp_pos: [P] the prompt tokens' log-probabilities, [P, k] the top k's
+    prompt_token_logprobs: Optional[torch.Tensor] = None
+    prompt_top_ids: Optional[torch.Tensor] = None
+    prompt_top_logprobs: Optional[torch.Tensor] = None
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int,
@@ -120,11 +131,21 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
     """prev_rows (async scheduling): seq_id -> its sample row in the step still in flight, whose
     token is this step's input for that sequence."""
     input_ids, query_lens, context_lens, tables = [], [], [], []
-    rows, temps, ks, ps, seeds, pos_out = [], [], [], [], [], []
+    rows, temps, ks, ps, seeds, pos_out, lps = [], [], [], [], [], [], []
     drafts, draft_probs = [], []
     prev_pos, prev_row = [], []
+    plp_pos, plp_target, plp_row, plp_index, plp_top = [], [], [], [], 0
     for b, s in enumerate(scheduled):
         seq, start = s.seq, s.start
+        k = seq.params.prompt_logprobs
+        if k is not None:  # position t's law scores prompt token t + 1
+            last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            if last > start:
+                plp_pos.extend(range(len(input_ids), len(input_ids) + last - start))
+                plp_target.extend(seq.token_ids[start + 1 : last + 1])
+                plp_index.extend(range(start + 1, last + 1))
+                plp_row.extend([b] * (last - start))
+                plp_top = max(plp_top, k)
         known = seq.token_ids[start : start + s.num_new_tokens]
         input_ids.extend(known)
         if len(known) < s.num_new_tokens:  # the last token is still being sampled by the step in flight
@@ -144,6 +165,7 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
             ps.append(p.top_p)
             seeds.append(-1 if p.seed is None else p.seed)
             pos_out.append(seq.num_output_tokens + seq.num_pending - 1)  # pending counts this row's own token
+            lps.append(-1 if p.logprobs is None else p.logprobs)
             drafts.append(s.proposal.tokens if s.proposal is not None else [])
             draft_probs.append(s.proposal.probs if s.proposal is not None else None)
     width = max((len(t) for t in tables), default=1)
@@ -166,6 +188,9 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
         block_size=block_size,
         prev_token_pos=long(prev_pos) if prev_pos else None,
         prev_token_row=long(prev_row) if prev_pos else None,
+        logprobs=long(lps) if any(k >= 0 for k in lps) else None,
+        **({"prompt_lp_pos": long(plp_pos), "prompt_lp_target": long(plp_target), "prompt_lp_row": long(plp_row),
+            "prompt_lp_index": long(plp_index), "prompt_lp_top": plp_top} if plp_pos else {}),
         **_draft_fields(drafts, draft_probs),
     )
 
@@ -205,94 +230,3 @@ def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
                 law[i, : len(d)] = p if p is not None else torch.nn.functional.one_hot(torch.tensor(d), V).float()
         out["draft_probs"] = law
     return out
-
-
-@torch.inference_mode()
-def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
-                 prev_sampled: Optional[torch.Tensor] = None) -> StepOutput:
-    """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
-    `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
-    `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
-    know yet (`prev_token_pos`)."""
-    t0 = time.perf_counter()
-    if step.prev_token_pos is not None:
-        if prev_sampled is None:
-            raise RuntimeError("a step refers to the previous step's tokens, but this rank has none")
-        step.input_ids[step.prev_token_pos] = prev_sampled[step.prev_token_row, 0]
-    out = _execute_step(model, step, device, sample_tokens)
-    out.forward_s = time.perf_counter() - t0
-    return out
-
-
-def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOutput:
-    if step.query_lens.numel() == 0:
-        return _idle_step(model, device)
-    positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
-    ids = step.input_ids.to(device)
-    capture = tuple(step.export_layers or ())
-    hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype), capture=capture)
-    ends = torch.cumsum(step.query_lens, 0)[step.sample_rows]  # one past each sample row's last token
-    S = step.sample_rows.numel()
-    nd = step.num_draft if step.num_draft is not None else torch.zeros(S, dtype=torch.long)
-    # rows to score: each sample row's last num_draft + 1 positions
-    counts = nd + 1
-    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    rows_idx = torch.repeat_interleave(ends - counts, counts) + offsets
-    sampled, num_tokens, logits = torch.empty(S, 1, dtype=torch.long), torch.ones(S, dtype=torch.long), None
-    rounds = None
-    if S and (sample_tokens or model.comm.tp_size > 1):
-        logits = model.compute_logits(hidden[rows_idx.to(device)])  # non-drivers join the vocab all-gather
-    if sample_tokens and S:
-        args = [t.to(device) for t in (step.temperature, step.top_k, step.top_p, step.seeds, step.positions_out)]
-        if step.num_draft is None:
-            sampled = sample(logits, *args).cpu()[:, None]
-        else:
-            K = step.draft_tokens.shape[1]
-            padded = logits.new_zeros(S, K + 1, logits.shape[-1])
-            padded[torch.repeat_interleave(torch.arange(S), counts), offsets] = logits
-            probs = step.draft_probs.to(device) if step.draft_probs is not None else None
-            tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
-            sampled, num_tokens = tokens.cpu(), num_tokens.cpu()
-            if step.record_rounds is not None and capture:
-                rounds = _record(step, padded, nd, sampled, num_tokens, ends)
-    if step.share_sampled and S and model.comm.tp_size > 1:  # every rank needs them for the next input
-        sampled = model.comm.broadcast(sampled).cpu()
-    context = None
-    if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
-        context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
-                                 step.num_draft, num_tokens)
-        context.rounds = rounds
-    model.captured = None
-    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
-    return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
-                      slot_load=torch.stack(slot).cpu() if slot else None,
-                      logits=logits.cpu() if step.return_logits and logits is not None else None,
-                      context=context, export_bytes=context.nbytes if context is not None else 0)
-
-
-def _record(step: StepInput, padded, nd, sampled, num_tokens, ends):
-    """The verify rounds of the rows that record them (online calibration), or None."""
-    rows = torch.nonzero(step.record_rounds & (nd > 0)).flatten()
-    if rows.numel() == 0:
-        return None
-    anchor_idx = ends[rows] - nd[rows] - 1  # the last committed token before a row's drafts
-    return record_rounds(padded[rows.to(padded.device)], step.draft_tokens[rows], nd[rows], sampled[rows],
-                         num_tokens[rows], step.temperature[rows], step.input_ids[anchor_idx],
-                         step.context_lens[step.sample_rows[rows]] - nd[rows] - 1, step.seq_ids[step.sample_rows[rows]],
-                         step.record_top_logprobs)
-
-
-def _idle_step(model, device) -> StepOutput:
-    """A data-parallel group with nothing scheduled: no attention, no sampling, but every MoE
-    layer's expert all-to-all still runs (with no tokens) so the busy groups' collectives match."""
-    H = model.spec.hidden_size
-    dtype = model.lm_head.weight.dtype
-    for moe in model.moe_layers:
-        moe.last_load = torch.zeros(model.spec.num_experts, dtype=torch.long, device=device)
-        if moe.dispatch is not None:
-            x = torch.empty(0, H, dtype=dtype, device=device)
-            moe.dispatch(moe, x, torch.empty(0, model.spec.top_k, dtype=torch.long, device=device),
-                         torch.empty(0, model.spec.top_k, device=device))
-    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
-    return StepOutput(sampled=torch.empty(0, 1, dtype=torch.long), num_tokens=torch.empty(0, dtype=torch.long),
-                      expert_load=model.expert_load().cpu(), slot_load=torch.stack(slot).cpu() if slot else None)

@@ -468,7 +468,8 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     from dspark_cluster.sampling import SamplingParams as SP
     from dspark_cluster.scheduler import Scheduler
     from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import build_step_input, execute_step
+    from dspark_cluster.step import build_step_input
+    from dspark_cluster.step_exec import execute_step
     from parallel.comm import TensorParallelComm
     from parallel.expert_parallel import ExpertParallelDispatch
     from parallel.state import init_parallel, shutdown_parallel

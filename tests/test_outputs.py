@@ -120,3 +120,39 @@ def test_request_queues_are_always_cleaned_up():
         assert [r["finish_reason"] for r in list(engine.finished)[-3:]] == ["length", "abort", "abort"]
     finally:
         engine.shutdown()
+
+
+def test_logprobs_are_the_target_law_with_or_without_speculation():
+    """Each output token's log-probability (and the prompt's) equal transformers' to float error;
+    speculative decoding (DSpark, every draft verified) gives the same tokens and the same values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    plain = LLM(TINY)
+    spec = LLM(TINY, config={"speculative": {"method": "dspark", "draft_model": "tiny-dspark", "schedule": "static"}})
+    try:
+        out = plain.generate([PROMPT], params)[0]
+        again = spec.generate([PROMPT], params)[0]
+        streamed = list(plain.stream(PROMPT, params))
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(str(TINY), dtype=torch.float32)
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        law = model(ids).logits.log_softmax(-1)[0]
+    n = len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
+    for t in range(1, ids.shape[1]):
+        got = out.prompt_logprobs[t] if t < n else out.logprobs[t - n]
+        assert got.token_id == ids[0, t] and got.logprob == pytest.approx(law[t - 1, ids[0, t]].item(), abs=1e-4)
+        top = torch.topk(law[t - 1], 2 if t < n else 3)
+        assert [i for i, _ in got.top] == top.indices.tolist()
+    assert all(lp.top[0][0] == lp.token_id for lp in out.logprobs)  # greedy: the best token
+    assert again.token_ids == out.token_ids and again.metrics["num_draft_tokens"] > 0
+    assert [x.logprob for x in again.logprobs] == pytest.approx([x.logprob for x in out.logprobs], abs=1e-4)
+    assert [x.logprob for x in again.prompt_logprobs[1:]] == pytest.approx([x.logprob for x in out.prompt_logprobs[1:]],
+                                                                           abs=1e-5)
+    assert streamed[0].prompt_logprobs == out.prompt_logprobs
+    assert [x for p in streamed for x in p.logprobs] == out.logprobs

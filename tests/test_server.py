@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from dspark_cluster import load_config
@@ -286,10 +287,10 @@ def test_bad_input_gets_400_and_disturbs_nothing(served):
         _assert_400(served.post("/v1/completions", content=b'{"model": "x", "prompt": '), code="invalid_json")
         _assert_400(served.post("/v1/chat/completions", content=b"not json at all"), code="invalid_json")
         _assert_400(served.post("/v1/completions", content=b"[1, 2]"))
-        with pytest.raises(openai.BadRequestError) as e:
+        with pytest.raises(openai.NotFoundError) as e:  # as OpenAI: an unknown model is a 404
             oa.completions.create(model="no-such-model", prompt="w1")
-        assert e.value.status_code == 400 and e.value.code == "model_not_found"
-        with pytest.raises(openai.BadRequestError):
+        assert e.value.status_code == 404 and e.value.code == "model_not_found"
+        with pytest.raises(openai.NotFoundError):
             oa.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "w1"}], stream=True)
         for bad in (0, -3):
             with pytest.raises(openai.BadRequestError) as e:
@@ -320,11 +321,15 @@ def test_bad_input_gets_400_and_disturbs_nothing(served):
         # values the engine refuses, and what is not supported
         _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": [99999]}))
         _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": "w1", "top_p": 0}), param="top_p")
-        _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": "w1", "logprobs": 2}), param="logprobs")
+        _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": "w1", "logprobs": 21}), param="logprobs")
         _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": ""}), param="prompt")
-        with pytest.raises(openai.BadRequestError):
-            oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], logprobs=True)
-        assert httpx.get(f"{served.url}/v1/nowhere", headers=auth()).json()["error"]["code"] == "not_found"
+        _assert_400(served.post("/v1/completions", {"model": MODEL, "prompt": "w1", "logit_bias": {"5": 10}}),
+                    param="logit_bias", code="unsupported_parameter")
+        with pytest.raises(openai.BadRequestError):  # top_logprobs without logprobs
+            oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], top_logprobs=2)
+        nowhere = httpx.get(f"{served.url}/v1/nowhere", headers=auth())
+        assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {"message", "type", "param", "code"}
+        assert nowhere.json()["error"]["code"] == "not_found"
 
         rest = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
     chunks = [json.loads(first[6:])] + rest
@@ -656,9 +661,10 @@ def test_health_and_other_requests_answer_while_a_big_prompt_is_tokenised(served
 SECRETS = ("ActorID(abc)", "pid=123", "10.0.0.1", "dspark-ns-secret", "Traceback")
 
 
-class _Piece:
-    def __init__(self, ids, text, finished=False, finish_reason=None):
-        self.token_ids, self.text, self.finished, self.finish_reason = ids, text, finished, finish_reason
+def _Piece(ids, text, finished=False, finish_reason=None):
+    from dspark_cluster.outputs import StreamPiece
+
+    return StreamPiece("stub", ids, text, finished, finish_reason)
 
 
 class StubClient:
@@ -857,3 +863,62 @@ def test_serving_through_the_router_actor(ray_cluster, chat_checkpoint):
     finally:
         server.stop()
         client.shutdown()
+
+
+def test_logprobs_and_echo(served):
+    """Log-probabilities of the target's law (after temperature) for generated tokens, and with echo
+    for the prompt's, in OpenAI's shapes; the values match transformers'. This is what lm-eval's
+    local-completions model sends for likelihood and multiple-choice tasks."""
+    from transformers import AutoModelForCausalLM
+
+    oa, tok = served.openai, served.client.tokenizer
+    prompt = tok("w5 w17 w3 w9", add_special_tokens=False)["input_ids"]
+    r = served.post("/v1/completions", {"model": MODEL, "prompt": [prompt], "max_tokens": 3, "temperature": 0,
+                                        "logprobs": 2, "echo": True, "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
+    assert r["choices"][0]["text"].startswith(tok.decode(prompt))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # greedy: each generated token is its position's best, and the top lists hold 2 (+ the chosen token)
+    for token, lpv, top in zip(lp["tokens"][len(prompt):], lp["token_logprobs"][len(prompt):],
+                               lp["top_logprobs"][len(prompt):]):
+        assert lpv == pytest.approx(max(top.values())) and top[token] == lpv and 2 <= len(top) <= 3
+    model = AutoModelForCausalLM.from_pretrained(str(served.client.model_path), dtype=torch.float32)
+    gen = [tok.convert_tokens_to_ids(t.strip()) for t in lp["tokens"][len(prompt):]]
+    ids = torch.tensor([prompt + gen])
+    with torch.no_grad():
+        ref = model(ids).logits.log_softmax(-1)[0]
+    expected = [ref[t - 1, ids[0, t]].item() for t in range(1, ids.shape[1])]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    # without echo: the completion's tokens only; temperature scales the law
+    plain = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
+    assert len(plain.choices[0].logprobs.tokens) == 2 and plain.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        expected[len(prompt) - 1], abs=1e-4)
+    hot = served.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 2.0,
+                                          "seed": 3, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    with torch.no_grad():
+        last = model(torch.tensor([prompt])).logits[0, -1]
+    tid = tok.convert_tokens_to_ids(hot["tokens"][0].strip())
+    assert hot["token_logprobs"][0] == pytest.approx((last / 2.0).log_softmax(-1)[tid].item(), abs=1e-4)
+    # streamed: the same values, chunk by chunk, the prompt's in the first chunk
+    body = {"model": MODEL, "prompt": [prompt], "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, headers=auth(), timeout=30) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
+    # chat: logprobs / top_logprobs
+    messages = [{"role": "user", "content": "w9 w8 w7"}]
+    chat = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the best
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    stream = list(oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                             logprobs=True, top_logprobs=3, stream=True))
+    got = [c.logprob for ch in stream if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert got == pytest.approx([c.logprob for c in content], abs=1e-6)
+    wait_kv_free(served.url)
