@@ -142,7 +142,15 @@ class Cluster:
                 pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK",
                                      _soft_target_node_id=here if g == 0 else None)
                 self.placement_groups.append(pg)
-            ray.get([pg.ready() for pg in self.placement_groups], timeout=120)
+            ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups),
+                                timeout=120)
+            if len(ready) < len(self.placement_groups):  # say what the nodes had, not a bare timeout
+                free = {n["NodeID"][:8]: {k: v for k, v in n.get("Resources", {}).items() if k in ("CPU", "GPU")}
+                        for n in ray.nodes() if n.get("Alive")}
+                raise WorkerError(
+                    f"parallel: {len(self.placement_groups) - len(ready)} of {len(self.placement_groups)} tensor-parallel "
+                    f"group(s) of {tp} {device} worker(s) could not be placed on one node within 120 s (node totals "
+                    f"{free}; available now {ray.available_resources()}); other jobs may hold the devices")
             actor_cls = ray.remote(ShardWorker)
             for rank in range(world):
                 pg = self.placement_groups[rank // tp]

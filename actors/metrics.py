@@ -24,6 +24,8 @@ class RayMetrics:
         self.requests = Counter("dspark_requests_finished_total", "Finished requests", tag_keys=("model", "finish_reason"))
         self.gen_tokens = Counter("dspark_generation_tokens_total", "Output tokens", tag_keys=tags)
         self.prompt_tokens = Counter("dspark_prompt_tokens_total", "Prompt tokens", tag_keys=tags)
+        self.cached_tokens = Counter("dspark_prefix_cache_hit_tokens_total",
+                                     "Prompt tokens whose KV came from the prefix cache", tag_keys=tags)
         self.preemptions = Counter("dspark_preemptions_total", "Sequences preempted (recompute)", tag_keys=tags)
         self.running = Gauge("dspark_num_running_seqs", "Sequences in the last step", tag_keys=tags)
         self.step_tokens = Gauge("dspark_step_tokens", "Tokens in the last step", tag_keys=tags)
@@ -96,3 +98,5 @@ class RayMetrics:
         if m["num_accepted_tokens"]:
             self.accepted_tokens.inc(m["num_accepted_tokens"], self.tags)
         self.prompt_tokens.inc(m["num_prompt_tokens"], self.tags)
+        if m["num_cached_tokens"]:
+            self.cached_tokens.inc(m["num_cached_tokens"], self.tags)

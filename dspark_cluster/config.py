@@ -69,6 +69,8 @@ class SchedulerConfig(_Section):
     num_kv_blocks: Union[Literal["auto"], int] = "auto"
     kv_cache_memory: ByteSize = Field(ByteSize(256 * 2**20), gt=0)
     max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
+    # reuse the KV blocks of prompt prefixes computed before (hashed full blocks, shared, LRU-evicted)
+    prefix_caching: bool = True
     # schedule step n+1 while the workers run step n (vLLM's async scheduling). auto: on with
     # executor ray (the workers are other processes), off in process (nothing runs meanwhile)
     async_scheduling: Union[Literal["auto"], bool] = "auto"

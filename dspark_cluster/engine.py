@@ -133,10 +133,13 @@ class LLMEngine:
                 raise
         lookahead = cfg.speculative.num_tokens if self.drafter is not None else 0
         self.schedulers = [
-            Scheduler(BlockManager(self.num_blocks, sc.block_size), sc.max_num_seqs, sc.max_num_batched_tokens,
+            Scheduler(BlockManager(self.num_blocks, sc.block_size, sc.prefix_caching), sc.max_num_seqs,
+                      sc.max_num_batched_tokens,
                       self.max_model_len, lookahead)
             for _ in range(self.num_groups)
         ]
+        for g in self.schedulers:  # a DSpark drafter needs the target's states of every context token
+            g.cache_skips_speculative = self.drafter is not None and cfg.speculative.method == "dspark"
         self.planner: Optional[VerifyPlanner] = None  # speculative.schedule: confidence
         if self.drafter is not None and cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(lookahead, self._profile_step_cost(), cfg.speculative.method)
@@ -274,6 +277,10 @@ class LLMEngine:
             "running": sum(len(g.running) for g in self.schedulers),
             "waiting": sum(len(g.waiting) for g in self.schedulers),
             "preemptions": sum(g.num_preemptions for g in self.schedulers),
+            # prefix caching, since start: prompt tokens looked up at admission and found cached
+            "prefix_cache_queries": sum(g.prefix_cache_queries for g in self.schedulers),
+            "prefix_cache_hits": sum(g.prefix_cache_hits for g in self.schedulers),
+            "prefix_cache_evictions": sum(g.blocks.num_evicted for g in self.schedulers),
         }
 
     # ---- the step -------------------------------------------------------------------------
@@ -392,7 +399,7 @@ class LLMEngine:
             self.num_blocks = self.executor.num_blocks
             self._devices = None  # new workers: their memory is read again
             for g in self.schedulers:
-                g.requeue_all(BlockManager(self.num_blocks, self.block_size))
+                g.requeue_all(BlockManager(self.num_blocks, self.block_size, self.cfg.scheduler.prefix_caching))
             if self.balancer is not None:  # new workers start from the default expert placement
                 self.balancer.reset_placement()
             self._commit_version, self._migration_bytes = None, 0

@@ -36,7 +36,7 @@ class Output:
         """first: the request's first piece, which carries its prompt log-probabilities (if asked)."""
         ev = self.event
         return StreamPiece(ev.request_id, ev.new_token_ids, self.text, ev.finished, ev.finish_reason, ev.logprobs,
-                           _prompt_logprobs(ev.seq) if first else None)
+                           _prompt_logprobs(ev.seq) if first else None, ev.seq.num_cached_tokens)
 
 
 def _prompt_logprobs(seq: Sequence) -> Optional[list]:

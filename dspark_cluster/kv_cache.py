@@ -6,19 +6,44 @@ GQA layers store K and V per KV head; MLA layers store one compressed latent (+ 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Optional
 
 import torch
 
 
-class BlockManager:
-    """Fixed-size blocks handed out from a free list. A sequence's block table covers its tokens."""
+def block_hashes(token_ids, block_size: int, num_blocks: int, parent: Optional[int] = None) -> list[int]:
+    """The chained hash of each of the first num_blocks full blocks: hash((parent's, this block's
+    token ids)), so a block's hash names its whole prefix. Python's hash of ints and tuples does not
+    depend on PYTHONHASHSEED: every process computes the same."""
+    out = []
+    for i in range(num_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        out.append(parent)
+    return out
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+class BlockManager:
+    """Fixed-size blocks handed out from a free list. A sequence's block table covers its tokens.
+
+    With prefix caching, a full block whose tokens are committed is registered under the hash of its
+    prefix (`commit`); a new sequence reuses the longest run of registered blocks its prompt starts
+    with (`match_prefix`), sharing them (reference counts). A block whose count falls to 0 stays
+    registered among the free blocks, least recently freed first in line to be reused: it is
+    evicted (unregistered) only when the pool hands it out again. Without prefix caching the most
+    recently freed block is reused first (warm in the CPU's cache)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self.free_blocks: OrderedDict = OrderedDict.fromkeys(range(num_blocks))  # in reuse order, LRU first
         self.block_tables: dict[int, list[int]] = {}
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # prefix hash -> block
+        self._committed: dict[int, tuple[int, Optional[int]]] = {}  # seq -> (blocks registered, last hash)
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
@@ -35,18 +60,73 @@ class BlockManager:
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= len(self.free_blocks)
 
+    def _take(self) -> int:
+        b, _ = self.free_blocks.popitem(last=False)  # the head: least recently freed with caching, else most
+        if self.block_hash[b] is not None:  # evicted: its prefix is no longer cached
+            del self.cached[self.block_hash[b]]
+            self.block_hash[b] = None
+            self.num_evicted += 1
+        self.ref_counts[b] = 1
+        return b
+
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow seq's block table to hold num_tokens tokens. Caller checks can_allocate first."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError(f"KV cache out of blocks: need {need}, have {len(self.free_blocks)}")
         table = self.block_tables.setdefault(seq_id, [])
-        table.extend(self.free_blocks.popleft() for _ in range(need))
+        table.extend(self._take() for _ in range(need))
         return table
 
+    def match_prefix(self, seq_id: int, token_ids, max_tokens: int) -> int:
+        """A sequence with no blocks yet takes the registered blocks its first max_tokens tokens
+        start with; returns the tokens they hold (a multiple of block_size; 0 without caching)."""
+        if not self.prefix_caching or seq_id in self.block_tables:
+            return 0
+        table, parent = [], None
+        for h in block_hashes(token_ids, self.block_size, max_tokens // self.block_size):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            if self.ref_counts[b] == 0:
+                del self.free_blocks[b]
+            self.ref_counts[b] += 1
+            table.append(b)
+            parent = h
+        if table:
+            self.block_tables[seq_id] = table
+            self._committed[seq_id] = (len(table), parent)
+        return len(table) * self.block_size
+
+    def commit(self, seq_id: int, token_ids, num_tokens: int) -> None:
+        """The first num_tokens tokens of seq have their KV written: register its full blocks among
+        them (a prefix another block already holds keeps that block)."""
+        if not self.prefix_caching:
+            return
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        done, parent = self._committed.get(seq_id, (0, None))
+        full = min(num_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        hashes = block_hashes(token_ids[done * self.block_size :], self.block_size, full - done, parent)
+        for b, h in zip(table[done:full], hashes):
+            if h not in self.cached and self.block_hash[b] is None:
+                self.cached[h] = b
+                self.block_hash[b] = h
+        self._committed[seq_id] = (full, hashes[-1])
+
     def free(self, seq_id: int) -> None:
+        """Release seq's blocks; those no one else holds become free (last block first in line, so
+        a prompt's shared head is evicted last)."""
+        self._committed.pop(seq_id, None)
         for b in reversed(self.block_tables.pop(seq_id, [])):
-            self.free_blocks.appendleft(b)  # most recently freed are reused first (warm in cache)
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_blocks[b] = None  # at the tail: reused last (the LRU order of a cache)
+                if not self.prefix_caching:
+                    self.free_blocks.move_to_end(b, last=False)  # at the head: reused first (warm)
 
 
 def kv_bytes_per_block(model, block_size: int) -> int:

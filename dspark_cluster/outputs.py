@@ -50,6 +50,7 @@ class StreamPiece:
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None  # a TokenLogprob per token of this piece (SamplingParams.logprobs)
     prompt_logprobs: Optional[list] = None  # on the first piece, with SamplingParams.prompt_logprobs
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Detokenizer:

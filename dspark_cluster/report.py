@@ -26,6 +26,7 @@ REQUEST_COLUMNS = (
     "tpot_s",
     "e2e_s",
     "num_prompt_tokens",
+    "num_cached_tokens",
     "num_output_tokens",
     "num_preemptions",
     "num_draft_tokens",
@@ -83,6 +84,10 @@ def summarize(requests: list[dict], steps: list[dict], duration_s: float, kv_blo
         "kv_blocks_total": kv_blocks_total,
         "kv_blocks_peak": max((int(s["kv_blocks_used"]) for s in steps if s.get("kv_blocks_used") is not None), default=0),
         "preemptions": preemptions,
+        # prefix caching: prompt tokens whose KV was reused at admission, over all prompt tokens
+        "prefix_cached_tokens": sum(int(r.get("num_cached_tokens") or 0) for r in requests),
+        "prefix_cache_hit_rate": (sum(int(r.get("num_cached_tokens") or 0) for r in requests)
+                                  / max(1, sum(int(r.get("num_prompt_tokens") or 0) for r in requests))),
         "steps": len(steps),
         "mean_batch_size": float(np.mean(batch)) if batch else float("nan"),
     }
@@ -116,6 +121,9 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
         ("KV blocks peak / total", f"{s.get('kv_blocks_peak', 'n/a')} / {s.get('kv_blocks_total', 'n/a')}"),
         ("preemptions", f"{s.get('preemptions', 'n/a')}"),
     ]
+    if "prefix_cache_hit_rate" in s:
+        rows.append(("prefix cache hits / tokens reused",
+                     f"{_num(s['prefix_cache_hit_rate'], 100, '.1f')}% / {s.get('prefix_cached_tokens', 0)}"))
     if "expert_load_max_over_mean" in s:
         rows.append(("expert load max / mean (one rank)", _num(s["expert_load_max_over_mean"], 1, ".2f")))
     if "balancedness_mean" in s:

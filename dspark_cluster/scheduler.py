@@ -63,6 +63,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        # prefix caching: prompt tokens looked up at admission, and those found cached
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        # DSpark drafts from the target's states of every context token, which a cached prefix does not
+        # produce: with it, requests that speculate recompute their prompt (the engine sets this)
+        self.cache_skips_speculative = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -146,12 +151,22 @@ class Scheduler:
             return out  # admitting new work in a step that had to preempt would only thrash
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
                 if self.running:
+                    if cached:  # it waits: the blocks it would share go back (still cached)
+                        self.blocks.free(seq.seq_id)
+                        seq.num_computed_tokens = 0
                     break
                 # nothing else runs: take the chunk that fits (add() guarantees the prompt fits)
-                n = self.blocks.num_free * self.blocks.block_size - seq.num_computed_tokens
+                have = len(self.blocks.block_tables.get(seq.seq_id, ()))
+                n = (have + self.blocks.num_free) * self.blocks.block_size - seq.num_computed_tokens
+            if seq.num_computed_tokens == cached:  # admitted from the start (not a chunk already computed)
+                self.prefix_cache_queries += seq.num_tokens - 1
+                self.prefix_cache_hits += cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
             self.waiting.popleft()
             self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
@@ -159,6 +174,17 @@ class Scheduler:
             out.scheduled.append(self._advance(seq, n))
             budget -= n
         return out
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """A sequence starting from nothing takes the cached blocks its tokens begin with (never its
+        last token: that one is computed, to sample from). Returns the tokens they hold."""
+        if seq.num_computed_tokens or not self.blocks.prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # (prompt log-probabilities need every position's law)
+        if self.cache_skips_speculative and seq.params.speculative:
+            return 0
+        cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
+        seq.num_computed_tokens = cached
+        return cached
 
     @staticmethod
     def _advance(seq: Sequence, n: int, lookahead: int = 0) -> ScheduledSeq:
@@ -186,21 +212,27 @@ class Scheduler:
         events = []
         for s in scheduled:
             seq = s.seq
-            if not s.samples:
+            if not s.samples:  # a prompt chunk: its KV is written (prefix caching may register its blocks)
+                self.blocks.commit(seq.seq_id, seq.token_ids, s.start + s.num_new_tokens)
                 continue
             seq.num_pending -= 1
             if seq.finished or seq.seq_id not in sampled:
                 continue
+            accepted = 0
             if s.proposal is not None:
                 accepted = len(sampled[seq.seq_id]) - 1
                 seq.num_draft_tokens += s.num_draft
                 seq.num_accepted_tokens += accepted
                 seq.num_computed_tokens += accepted  # the KV of rejected drafts is dropped
-            new = []
+            new, done = [], False
             for tok in sampled[seq.seq_id]:
                 new.append(tok)
                 if seq.append(tok, self.max_model_len, now):
-                    self._finish(seq, seq.finish_reason)
+                    done = True
                     break
+            # the KV written by this step: its tokens and the accepted drafts (before the blocks are freed)
+            self.blocks.commit(seq.seq_id, seq.token_ids, min(s.start + s.num_new_tokens + accepted, len(seq.token_ids)))
+            if done:
+                self._finish(seq, seq.finish_reason)
             events.append((seq, new))
         return events

@@ -37,6 +37,7 @@ class Sequence:
     token_times: list = field(default_factory=list)  # time each output token was produced
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # SamplingParams.logprobs: one TokenLogprobs per output token; prompt_logprobs: one per prompt token
@@ -89,6 +90,7 @@ class Sequence:
             "e2e_s": (end - self.arrival_time) if end is not None else None,
             "itl_s": [b - a for a, b in zip(self.token_times, self.token_times[1:])],
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,
             "num_draft_tokens": self.num_draft_tokens,

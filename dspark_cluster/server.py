@@ -275,6 +275,10 @@ class ServerMetrics:
         self.streams_open = Gauge("dspark_http_streams_open", "Streaming responses in progress", registry=r)
         self.engine_up = Gauge("dspark_engine_up", "1 while the engine serves (state ok), else 0", registry=r)
         self.engine_restarts = Gauge("dspark_engine_restarts", "Engine restarts after worker failures", registry=r)
+        self.prefix_hit_rate = Gauge("dspark_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache at "
+                                     "admission / prompt tokens looked up, since start", registry=r)
+        self.prefix_hits = Gauge("dspark_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache, "
+                                 "since start", registry=r)
         # speculative decoding (0 without a drafter): the verify budget of the last step and over the run
         self.verify_budget = Gauge("dspark_spec_verify_budget", "Tokens the last step ran, drafts verified included",
                                    registry=r)
@@ -294,6 +298,8 @@ class ServerMetrics:
         self.waiting.set(s.get("waiting", 0))
         self.preemptions.set(s.get("preemptions", 0))
         self.engine_restarts.set(s.get("restarts") or 0)
+        self.prefix_hits.set(s.get("prefix_cache_hits") or 0)
+        self.prefix_hit_rate.set((s.get("prefix_cache_hits") or 0) / max(1, s.get("prefix_cache_queries") or 0))
         self.engine_up.set(1 if (s.get("state") or "ok") == "ok" else 0)
         spec = s.get("speculative") or {}
         self.verify_budget.set(s.get("verify_budget") or 0)
@@ -421,6 +427,7 @@ class _Job:
     num_prompt_tokens: int
     logprobs: list = field(default_factory=list)  # a TokenLogprob per output token (when asked)
     prompt_logprobs: Optional[list] = None  # per prompt token (echo with logprobs)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""
     num_tokens: int = 0
     finish_reason: Optional[str] = None
@@ -452,6 +459,7 @@ class _Generation:
                     job.logprobs += p.logprobs
                 if p.prompt_logprobs is not None:
                     job.prompt_logprobs = p.prompt_logprobs
+                job.cached_tokens = p.num_cached_tokens
                 if p.finished:
                     job.finish_reason = p.finish_reason or "stop"
                 yield _Delta(p.text, len(p.token_ids), job.finish_reason if p.finished else None, p.logprobs,
@@ -518,14 +526,16 @@ class _Generation:
         return self.jobs
 
     def usage(self) -> dict:
-        seen, prompt = set(), 0
+        seen, prompt, cached = set(), 0, 0
         for j in self.jobs:  # a prompt counts once however many choices it has
             key = j.index // self.n
             if key not in seen:
                 seen.add(key)
                 prompt += j.num_prompt_tokens
+                cached += j.cached_tokens
         completion = sum(j.num_tokens for j in self.jobs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _SSEResponse(StreamingResponse):

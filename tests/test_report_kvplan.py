@@ -131,8 +131,9 @@ def test_summarize_percentiles():
     lines = format_summary(s).splitlines()
     assert [ln.split("  ")[0] for ln in lines] == [
         "requests", "output tokens/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV blocks peak / total",
-        "preemptions"]
-    col = len("KV blocks peak / total") + 2  # values start in one column
+        "preemptions", "prefix cache hits / tokens reused"]
+    assert lines[-1].endswith("0.0% / 0")  # these requests reused nothing
+    col = len("prefix cache hits / tokens reused") + 2  # values start in one column
     assert all(ln[col - 2:col] == "  " and ln[col] != " " for ln in lines)
     assert "50.5 / 99.0" in lines[2] and "9 / 32" in lines[4]
 
