@@ -77,7 +77,7 @@ class AsyncEngine:
                 log.error("the engine stopped: %s: %s", type(e).__name__, e, exc_info=e)
                 self._error = e if isinstance(e, EngineError) else EngineError(
                     f"the engine stopped after an internal error ({type(e).__name__}); see the server log")
-                self._fail(list(self._queues), self._error)
+                self._fail(list(self._queues.copy()), self._error)  # (the event loop adds and removes entries)
                 return
             self._deliver(outputs)
 
@@ -87,22 +87,32 @@ class AsyncEngine:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":  # a list: requests submitted together join the same step
-                for seq in arg:
-                    self.core.add(seq)
-            elif kind == "rebalance":
-                self.engine.rebalance_now()
-            elif kind == "speculation":
-                self.engine.set_speculation(arg)
-            elif kind == "rollback_drafter":  # at a step boundary, on the step thread
-                version, done = arg
+            try:
+                self._command(kind, arg)
+            except Exception as e:  # noqa: BLE001 -- a command never stops the step thread
+                log.error("engine command %r failed: %s: %s", kind, type(e).__name__, e, exc_info=e)
+
+    def _command(self, kind: str, arg) -> None:
+        if kind == "add":  # a list: requests submitted together join the same step
+            for seq in arg:
                 try:
-                    done.set_result(self.engine.resume_drafter() if version == "resume"
-                                    else self.engine.rollback_drafter(version))
-                except BaseException as e:  # noqa: BLE001 -- the caller gets it (RequestError: no such version)
-                    done.set_exception(e)
-            elif kind == "abort":
-                self._deliver(self.core.abort(arg))
+                    self.core.add(seq)
+                except Exception as e:  # noqa: BLE001 -- that request fails (e.g. its id is in use); the rest go on
+                    self._put(seq.request_id, e if isinstance(e, EngineError) else
+                              EngineError(f"request {seq.request_id} could not be queued: {e}"))
+        elif kind == "rebalance":
+            self.engine.rebalance_now()
+        elif kind == "speculation":
+            self.engine.set_speculation(arg)
+        elif kind == "rollback_drafter":  # at a step boundary, on the step thread
+            version, done = arg
+            try:
+                done.set_result(self.engine.resume_drafter() if version == "resume"
+                                else self.engine.rollback_drafter(version))
+            except BaseException as e:  # noqa: BLE001 -- the caller gets it (RequestError: no such version)
+                done.set_exception(e)
+        elif kind == "abort":
+            self._deliver(self.core.abort(arg))
 
     def _deliver(self, outputs: list[Output]) -> None:
         for o in outputs:

@@ -6,19 +6,24 @@ GQA layers store K and V per KV head; MLA layers store one compressed latent (+ 
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Optional
+
+import numpy as np
 
 import torch
 
 
-def block_hashes(token_ids, block_size: int, num_blocks: int, parent: Optional[int] = None) -> list[int]:
-    """The chained hash of each of the first num_blocks full blocks: hash((parent's, this block's
-    token ids)), so a block's hash names its whole prefix. Python's hash of ints and tuples does not
-    depend on PYTHONHASHSEED: every process computes the same."""
+def block_hashes(token_ids, block_size: int, num_blocks: int, parent: Optional[bytes] = None) -> list[bytes]:
+    """The chained digest of each of the first num_blocks full blocks: blake2b over the parent's
+    digest and this block's token ids, so a block's digest names its whole prefix. A cryptographic
+    digest, as vLLM's sha256 option: a prefix one request can collide on could hand it another's KV."""
     out = []
     for i in range(num_blocks):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h.update(np.asarray(token_ids[i * block_size : (i + 1) * block_size], dtype=np.int64).tobytes())
+        parent = h.digest()
         out.append(parent)
     return out
 
@@ -40,9 +45,9 @@ class BlockManager:
         self.free_blocks: OrderedDict = OrderedDict.fromkeys(range(num_blocks))  # in reuse order, LRU first
         self.block_tables: dict[int, list[int]] = {}
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[Optional[int]] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # prefix hash -> block
-        self._committed: dict[int, tuple[int, Optional[int]]] = {}  # seq -> (blocks registered, last hash)
+        self.block_hash: list[Optional[bytes]] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # prefix digest -> block
+        self._committed: dict[int, tuple[int, Optional[bytes]]] = {}  # seq -> (blocks registered, last digest)
         self.num_evicted = 0
 
     @property
@@ -124,9 +129,9 @@ class BlockManager:
         for b in reversed(self.block_tables.pop(seq_id, [])):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks[b] = None  # at the tail: reused last (the LRU order of a cache)
-                if not self.prefix_caching:
-                    self.free_blocks.move_to_end(b, last=False)  # at the head: reused first (warm)
+                self.free_blocks[b] = None  # at the tail: a cached prefix is reused last (LRU)
+                if not self.prefix_caching or self.block_hash[b] is None:
+                    self.free_blocks.move_to_end(b, last=False)  # holds nothing reusable: handed out first
 
 
 def kv_bytes_per_block(model, block_size: int) -> int:

@@ -67,7 +67,10 @@ class Detokenizer:
             self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
 
     def full(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        # as DecodeStream makes it (no clean-up of spaces before punctuation), so the pieces add up to it
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_ids: list[int], final: bool) -> str:
         """The text these new tokens complete (the rest of the text, on the last call)."""

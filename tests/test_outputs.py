@@ -156,3 +156,34 @@ def test_logprobs_are_the_target_law_with_or_without_speculation():
                                                                            abs=1e-5)
     assert streamed[0].prompt_logprobs == out.prompt_logprobs
     assert [x for p in streamed for x in p.logprobs] == out.logprobs
+
+
+def test_a_request_that_cannot_be_queued_fails_alone(monkeypatch):
+    """An error while the step thread queues a request fails that request only: the thread goes on
+    and serves the others (before, it died and every stream waited forever)."""
+    from dspark_cluster.engine_core import EngineCore
+    from dspark_cluster.errors import EngineError
+
+    engine = AsyncEngine(load_config(None, {"model.path": str(TINY)}))
+    real = EngineCore.add
+
+    def add(self, seq):
+        if seq.params.max_tokens == 7:
+            raise RuntimeError("test: cannot queue")
+        real(self, seq)
+
+    monkeypatch.setattr(EngineCore, "add", add)
+
+    async def scenario():
+        bad = engine.submit(PROMPT, SamplingParams(max_tokens=7, temperature=0))
+        good = engine.submit(PROMPT, GREEDY)
+        with pytest.raises(EngineError, match="could not be queued"):
+            await engine.result(bad)
+        return await engine.result(good)
+
+    try:
+        out = asyncio.run(scenario())
+        assert len(out.token_ids) == GREEDY.max_tokens and engine.stats()["state"] == "ok"
+        assert engine._queues == {}
+    finally:
+        engine.shutdown()
