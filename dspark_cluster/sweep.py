@@ -16,7 +16,7 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,7 +41,6 @@ class Point:
     report: Optional[dict] = None  # summary and cost once run
     wall_s: float = 0.0  # start to stop, the engine's start-up and teardown included
     out_dir: Optional[str] = None
-    row: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -98,27 +97,20 @@ def sweep_points(config, grid: list[tuple[str, list]], overrides=None) -> list[P
     points = []
     for i, values in enumerate(itertools.product(*(v for _, v in grid))):
         point = Point(i, dict(zip(keys, values)))
-        sets = dict(_parse_sets(overrides))
-        for k, v in point.overrides.items():
-            sets.update(_flatten(k, v))
-        try:
-            point.cfg = load_config(config, sets)
+        flat = {k2: v2 for k, v in point.overrides.items() for k2, v2 in _flatten(k, v).items()}
+        try:  # the point's values after --set's, all read by config.parse_overrides (JSON is YAML)
+            point.cfg = load_config(config, _as_sets(overrides) + _as_sets(flat))
         except DSparkError as e:
             point.error = f"{type(e).__name__}: {e}"
         points.append(point)
     return points
 
 
-def _parse_sets(overrides) -> dict:
-    if not overrides:
-        return {}
+def _as_sets(overrides) -> list[str]:
+    """--set items, or a {key.path: value} dict as such items."""
     if isinstance(overrides, dict):
-        return dict(overrides)
-    out = {}
-    for item in overrides:
-        key, _, raw = str(item).partition("=")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-    return out
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    return list(overrides or [])
 
 
 def run_sweep(config, grid: list[tuple[str, list]], overrides=None, name: Optional[str] = None,
@@ -132,7 +124,7 @@ def run_sweep(config, grid: list[tuple[str, list]], overrides=None, name: Option
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     points = sweep_points(config, grid, overrides)
     valid = [p for p in points if p.cfg is not None]
-    base_cfg = valid[0].cfg if valid else load_config(config, _parse_sets(overrides))
+    base_cfg = valid[0].cfg if valid else load_config(config, _as_sets(overrides))
     name = name or base_cfg.report.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     out_dir = Path(base_cfg.report.out_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
