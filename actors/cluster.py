@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -166,8 +167,11 @@ class Cluster:
             addr, port = ray.get(self.workers[0].node_address.remote())
             self.reports = self._get([w.setup.remote(addr, port, device) for w in self.workers])
             sc = cfg.scheduler
-            fits = self._get([w.kv_blocks_that_fit.remote(sc.block_size, int(sc.kv_cache_memory), sc.num_kv_blocks)
-                              for w in self.workers])
+            # CPU workers of one host share its memory: a share of it is split between them
+            per_node = Counter(r["node_id"] for r in self.reports)
+            sharing = [per_node[r["node_id"]] if device != "cuda" else 1 for r in self.reports]
+            fits = self._get([w.kv_blocks_that_fit.remote(sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks, n)
+                              for w, n in zip(self.workers, sharing)])
             self.num_blocks = min(fits)
             self.kv_bytes_per_block = self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size)
                                                  for w in self.workers])

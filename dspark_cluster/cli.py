@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     plan = with_config(sub.add_parser("kv-plan", help="KV cache capacity per worker"))
     plan.add_argument("--context-len", type=int, default=None, help="context length for the sequences-at-once column")
+    plan.add_argument("--device-memory", default=None, metavar="SIZE",
+                      help="plan for devices of this memory (e.g. 141GB for an H200, 80GB for an H100) from any "
+                           "machine; default: this machine's device")
     serve = with_config(sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -137,7 +140,10 @@ def main(argv=None) -> int:
             from .kv_plan import format_kv_plan, kv_plan
             from .model.spec import load_spec
 
-            print(format_kv_plan(kv_plan(cfg, load_spec(cfg.model.path, cfg.model.dtype), args.context_len)))
+            from .config import parse_bytes
+
+            memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+            print(format_kv_plan(kv_plan(cfg, load_spec(cfg.model.path, cfg.model.dtype), args.context_len, memory)))
         elif args.command == "serve":
             from .server import serve
 

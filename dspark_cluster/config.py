@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from .errors import CheckpointError, ConfigError
 from .model.spec import load_spec
@@ -25,15 +27,39 @@ ASSETS_DIR = PACKAGE_DIR / "assets"
 DEFAULT_CONFIG_PATH = PACKAGE_DIR.parent / "configs" / "tiny.yaml"
 
 
+_BYTES = TypeAdapter(ByteSize)
+
+
+def parse_bytes(value, what: str) -> int:
+    """'141GB', '80GiB', 1234 -> bytes; ConfigError naming `what` otherwise."""
+    try:
+        return int(_BYTES.validate_python(value))
+    except ValidationError:
+        raise ConfigError(f"{what}: got {value!r}; expected a size such as 141GB or 80GiB") from None
+
+
 class _Section(BaseModel):
     # Unknown keys are errors, and ints are not silently turned into strings or bools.
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
 
 
 class ModelConfig(_Section):
+    # a local checkpoint folder, a bundled asset name, or a Hugging Face name (org/name) found in the
+    # local Hugging Face cache (HF_HOME / HF_HUB_CACHE; nothing is downloaded)
     path: str = "tiny-moe"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tokenizer: Optional[str] = None  # defaults to `path`
+    # fp8 checkpoints: auto = dequantize (each shard's slices, at load, to `dtype`) until a GPU run
+    # shows that fp8 matmuls pay; fp8 (keep the weights in fp8) is refused until it exists
+    weights: Literal["auto", "dequantize", "fp8"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.weights == "fp8":
+            raise ValueError("weights: got 'fp8'; keeping weights in fp8 for fp8 matmuls is not implemented yet "
+                             "(no GPU run has measured it); use auto or dequantize (fp8 checkpoints are "
+                             "dequantized per shard at load)")
+        return self
 
 
 class ParallelConfig(_Section):
@@ -67,13 +93,31 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     block_size: int = Field(16, ge=1, le=1024)
     num_kv_blocks: Union[Literal["auto"], int] = "auto"
-    kv_cache_memory: ByteSize = Field(ByteSize(256 * 2**20), gt=0)
+    # the KV pool (with num_kv_blocks: auto): bytes per worker ("8GiB"), or a share in (0, 1] of the
+    # device memory left after the weights (vLLM's gpu_memory_utilization); auto = 0.9 of it on
+    # CUDA, 256 MiB on CPU (where the "device" is the host's memory, shared by every process)
+    kv_cache_memory: Union[Literal["auto"], int, float] = "auto"
     max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
     # reuse the KV blocks of prompt prefixes computed before (hashed full blocks, shared, LRU-evicted)
     prefix_caching: bool = True
     # schedule step n+1 while the workers run step n (vLLM's async scheduling). auto: on with
     # executor ray (the workers are other processes), off in process (nothing runs meanwhile)
     async_scheduling: Union[Literal["auto"], bool] = "auto"
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_memory(cls, v):
+        if isinstance(v, float) and not isinstance(v, bool):
+            if not 0 < v <= 1:
+                raise ValueError(f"got {v}; a share of device memory must be in (0, 1] (e.g. 0.9), or give bytes "
+                                 "(e.g. 8GiB)")
+            return v
+        if v == "auto":
+            return v
+        size = int(_BYTES.validate_python(v)) if isinstance(v, (str, int)) else v
+        if isinstance(size, int) and size <= 0:
+            raise ValueError(f"got {v!r}; bytes must be > 0 (e.g. 256MiB), or a share such as 0.9")
+        return size
 
     @model_validator(mode="after")
     def _check(self):
@@ -216,6 +260,38 @@ def resolve_path(path: str, base_dir: Optional[Path] = None) -> Path:
     return ((base_dir or Path.cwd()) / p).resolve()
 
 
+# a Hugging Face model name (org/name), as vLLM users write model paths
+HF_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it (read now, so HF_HOME set after
+    import counts): HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "hub"
+
+
+def resolve_model_path(path: str, key: str, base_dir: Optional[Path] = None) -> str:
+    """A model path as `resolve_path` finds it; else a Hugging Face name found in the local cache
+    (never downloaded). ConfigError naming `key` and where it looked when it is neither."""
+    p = resolve_path(path, base_dir)
+    if p.exists() or not HF_NAME.match(path):
+        return str(p)
+    from huggingface_hub import snapshot_download
+
+    cache = hf_cache_dir()
+    try:
+        return str(snapshot_download(path, local_files_only=True, cache_dir=str(cache)))
+    except Exception as e:  # LocalEntryNotFoundError, or a cache entry without a snapshot
+        raise ConfigError(
+            f"{key}: got {path!r}; not a local folder (looked in {base_dir or Path.cwd()} and {ASSETS_DIR}) and not "
+            f"in the Hugging Face cache {cache} (set by HF_HOME / HF_HUB_CACHE; {type(e).__name__}). Download it "
+            f"first (`hf download {path}`) or give the checkpoint's folder; nothing is downloaded at run time"
+        ) from None
+
+
 def parse_overrides(overrides) -> dict:
     """['a.b=1', 'c=x'] or {'a.b': 1} -> nested dict; values are parsed as YAML scalars."""
     if not overrides:
@@ -312,11 +388,12 @@ def load_config(source: Union[None, str, os.PathLike, dict, Config] = None, over
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_pydantic(e)) from None
-    cfg.model.path = str(resolve_path(cfg.model.path, base_dir))
+    cfg.model.path = resolve_model_path(cfg.model.path, "model.path", base_dir)
     if cfg.model.tokenizer:
-        cfg.model.tokenizer = str(resolve_path(cfg.model.tokenizer, base_dir))
+        cfg.model.tokenizer = resolve_model_path(cfg.model.tokenizer, "model.tokenizer", base_dir)
     if cfg.speculative.draft_model:
-        cfg.speculative.draft_model = str(resolve_path(cfg.speculative.draft_model, base_dir))
+        cfg.speculative.draft_model = resolve_model_path(cfg.speculative.draft_model, "speculative.draft_model",
+                                                         base_dir)
     problems = check_against_model(cfg)
     if problems:
         raise ConfigError(problems)

@@ -21,10 +21,10 @@ import torch
 from .balancer import ExpertBalancer
 from .config import Config
 from .cost import cost_ledger
-from .errors import EngineError, RequestError, StepError, WorkerError
+from .errors import CheckpointError, EngineError, RequestError, StepError, WorkerError
 from .executor import make_executor
 from .kv_cache import BlockManager
-from .model.spec import ModelSpec, load_spec, refuse_remote_code
+from .model.spec import ModelSpec, ignore_remote_code, load_spec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -49,8 +49,16 @@ def load_tokenizer(path) -> Optional[object]:
         return None
     from transformers import AutoTokenizer
 
-    refuse_remote_code(p, "tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    remote = ignore_remote_code(p, "tokenizer_config.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    except ValueError as e:
+        if not remote:
+            raise CheckpointError(f"{p}: the tokenizer cannot be loaded: {e}") from None
+        raise CheckpointError(
+            f"{p}/tokenizer_config.json: 'auto_map' names the checkpoint's own tokenizer code and transformers has no "
+            "built-in class for it; DSpark never runs remote code (trust_remote_code=False). Ship a tokenizer.json "
+            "(a fast tokenizer), or set model.tokenizer to a folder with one") from None
 
 
 @dataclass

@@ -67,7 +67,8 @@ class LocalExecutor:
         self.device = resolve_device(cfg.parallel.device)
         self.model = load_model(cfg.model.path, spec, device=self.device)
         sc = cfg.scheduler
-        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks)
+        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks,
+                                         self.device)
         allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
         self._prev_sampled = None
 

@@ -156,8 +156,44 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, device) -> None:
         attn.kv_cache = (tensors[0], tensors[1] if len(tensors) > 1 else None)
 
 
-def plan_num_blocks(model, block_size: int, memory_bytes: int, num_kv_blocks="auto") -> int:
-    """Blocks that fit the memory budget (or the explicit count)."""
+# scheduler.kv_cache_memory: auto
+AUTO_KV_SHARE_CUDA = 0.9  # of the device memory left after the weights, as vLLM's gpu_memory_utilization
+AUTO_KV_BYTES_CPU = 256 * 2**20  # on CPU the "device" is the host's memory, which every process shares
+
+
+def free_device_memory(device) -> int:
+    """Bytes free on `device` now: CUDA's free memory, or the host's available memory on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def kv_budget_bytes(kv_cache_memory, device_type: str, free_bytes, sharing: int = 1) -> int:
+    """scheduler.kv_cache_memory -> bytes for one worker's KV pool.
+
+    kv_cache_memory: bytes (int), a share in (0, 1] of `free_bytes` (the device memory left after the
+    weights), or "auto" (0.9 of it on CUDA, 256 MiB on CPU). free_bytes: an int, or a callable that
+    measures it (only called for a share). sharing: processes that share this free memory (CPU
+    workers on one host), each taking its part of the share."""
+    if kv_cache_memory == "auto":
+        if device_type != "cuda":
+            return AUTO_KV_BYTES_CPU
+        kv_cache_memory = AUTO_KV_SHARE_CUDA
+    if isinstance(kv_cache_memory, float):
+        free = free_bytes() if callable(free_bytes) else free_bytes
+        return int(kv_cache_memory * free / max(1, sharing))
+    return int(kv_cache_memory)
+
+
+def plan_num_blocks(model, block_size: int, kv_cache_memory, num_kv_blocks="auto", device="cpu",
+                    sharing: int = 1) -> int:
+    """Blocks that fit the memory budget (or the explicit count). Called after the weights are
+    loaded, so a share is of what they left free on `device`."""
     if num_kv_blocks != "auto":
         return int(num_kv_blocks)
-    return max(1, int(memory_bytes) // kv_bytes_per_block(model, block_size))
+    device = torch.device(device)
+    budget = kv_budget_bytes(kv_cache_memory, device.type, lambda: free_device_memory(device), sharing)
+    return max(1, budget // kv_bytes_per_block(model, block_size))

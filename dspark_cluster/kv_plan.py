@@ -1,5 +1,6 @@
-"""`dspark kv-plan`: how much KV cache each worker rank holds, computed from the config and the
-checkpoint's config.json alone (no weights are loaded).
+"""`dspark kv-plan`: the memory of each worker rank (its weights and its KV cache), computed from
+the config and the checkpoint's config.json alone (no weights are loaded: each rank's shard is
+built on the meta device, so its parameter shapes and bytes are those the worker will hold).
 
 The arithmetic mirrors what the engine allocates (`kv_cache.kv_bytes_per_block` on a loaded
 shard, `kv_cache.plan_num_blocks` for the count):
@@ -24,12 +25,14 @@ COLUMNS = (
     ("tp_rank", "tp"),
     ("dp_rank", "dp"),
     ("attention", "attn"),
+    ("weight_bytes", "weights B"),
     ("kv_heads_per_rank", "kv heads"),
     ("kv_bytes_per_token_per_layer", "B/token/layer"),
     ("kv_bytes_per_token", "B/token"),
     ("block_size", "block"),
     ("kv_bytes_per_block", "B/block"),
     ("num_blocks", "blocks"),
+    ("kv_pool_bytes", "KV B"),
     ("tokens_capacity", "tokens"),
     ("context_len", "context"),
     ("seqs_at_context_len", "seqs@context"),
@@ -42,8 +45,49 @@ def _dtype_bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None) -> list[dict]:
-    """One dict per worker rank (world = tensor x data; rank = dp_rank * tensor + tp_rank)."""
+class _Shard:
+    """tp rank/size for building a shard on the meta device (no collective runs)."""
+
+    def __init__(self, tp_rank, tp_size):
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+
+def rank_weights(cfg: Config, spec: ModelSpec, rank: int) -> dict:
+    """The shard rank `rank` holds, built on the meta device as the worker builds it (TP slices of
+    attention, dense MLPs and the vocabulary; its slots of the experts, spread over the whole world):
+    {"weight_bytes", "expert_bytes", "num_params", "shapes": {name: shape}}."""
+    from .model.model import DecoderModel
+    from .placement import default_placement
+
+    tp, world = cfg.parallel.tensor, cfg.parallel.world_size
+    expert_ids = None
+    if spec.is_moe and world > 1:
+        num_moe = sum(spec.moe_layers)
+        placement = default_placement(num_moe, spec.num_experts, world, cfg.eplb.num_redundant_experts)
+        expert_ids = [placement.rank_experts(layer, rank) for layer in range(num_moe)]
+    with torch.device("meta"):
+        model = DecoderModel(spec, _Shard(rank % tp, tp), expert_ids).to(spec.dtype)
+    tensors = dict(model.named_parameters())
+    tensors.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {
+        "weight_bytes": nbytes(tensors.values()),
+        "expert_bytes": nbytes(t for n, t in tensors.items() if n.endswith((".w13", ".w2"))),
+        "num_params": sum(t.numel() for t in tensors.values()),
+        "shapes": {n: tuple(t.shape) for n, t in tensors.items()},
+    }
+
+
+def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
+            device_memory: Optional[int] = None) -> list[dict]:
+    """One dict per worker rank (world = tensor x data; rank = dp_rank * tensor + tp_rank).
+
+    device_memory: bytes of one target device (e.g. an H200's) to plan a GPU topology from any
+    machine; a share of kv_cache_memory (and auto, 0.9) is then of what the rank's weights leave.
+    None: the device this machine would use (`parallel.device`)."""
+    from .executor import resolve_device
+    from .kv_cache import free_device_memory, kv_budget_bytes
+
     tp, dp = cfg.parallel.tensor, cfg.parallel.data
     sc = cfg.scheduler
     elem = _dtype_bytes(spec.dtype)
@@ -55,29 +99,47 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None) -> 
         per_layer = 2 * kv_heads * spec.head_dim * elem
     per_token = per_layer * spec.num_layers
     per_block = per_token * sc.block_size
-    if isinstance(sc.num_kv_blocks, int):
-        num_blocks = sc.num_kv_blocks
-    else:  # "auto": as kv_cache.plan_num_blocks
-        num_blocks = max(1, int(sc.kv_cache_memory) // per_block)
+    if device_memory is not None:
+        device_type, total = "cuda", int(device_memory)
+    else:
+        device = resolve_device(cfg.parallel.device)
+        device_type = device.type
+        total = (int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda"
+                 else free_device_memory(device))
     ctx = int(context_len or sc.max_model_len or spec.max_position_embeddings)
     blocks_per_seq = math.ceil(ctx / sc.block_size)
     rows = []
     for rank in range(tp * dp):
+        w = rank_weights(cfg, spec, rank)
+        left = max(0, total - w["weight_bytes"])
+        # CPU: the host's memory is shared by every worker on it (all of them, at worst)
+        sharing = 1 if device_type == "cuda" else tp * dp
+        if isinstance(sc.num_kv_blocks, int):
+            num_blocks = sc.num_kv_blocks
+        else:  # "auto": as kv_cache.plan_num_blocks
+            num_blocks = max(1, kv_budget_bytes(sc.kv_cache_memory, device_type, left, sharing) // per_block)
         rows.append(
             {
                 "rank": rank,
                 "tp_rank": rank % tp,
                 "dp_rank": rank // tp,
                 "attention": spec.attention,
+                "weight_bytes": w["weight_bytes"],
+                "expert_bytes": w["expert_bytes"],
+                "num_params": w["num_params"],
                 "kv_heads_per_rank": kv_heads,
                 "kv_bytes_per_token_per_layer": per_layer,
                 "kv_bytes_per_token": per_token,
                 "block_size": sc.block_size,
                 "kv_bytes_per_block": per_block,
                 "num_blocks": num_blocks,
+                "kv_pool_bytes": num_blocks * per_block,
                 "tokens_capacity": num_blocks * sc.block_size,
                 "context_len": ctx,
                 "seqs_at_context_len": num_blocks // blocks_per_seq,
+                "device_type": device_type,
+                "device_memory": total,
+                "headroom_bytes": total - w["weight_bytes"] - num_blocks * per_block,
             }
         )
     return rows
@@ -107,9 +169,18 @@ def format_kv_plan(rows: list[dict]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(align(i, c) for i, c in enumerate(row)) for row in cells]
     r = rows[0]
-    mib = r["num_blocks"] * r["kv_bytes_per_block"] / 2**20
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
     lines.append("")
-    lines.append(f"per rank: {mib:,.1f} MiB of KV cache = {r['num_blocks']:,} blocks x {r['kv_bytes_per_block']:,} B; "
-                 f"B = bytes, seqs@context = sequences of {r['context_len']:,} tokens that fit at once")
+    lines.append(f"per rank: {gib(r['kv_pool_bytes'])} of KV cache = {r['num_blocks']:,} blocks x "
+                 f"{r['kv_bytes_per_block']:,} B; B = bytes, seqs@context = sequences of {r['context_len']:,} tokens "
+                 "that fit at once")
+    what = "device" if r["device_type"] == "cuda" else "host memory available (shared by the workers)"
+    distinct: dict = {}
+    for row in rows:  # one line per distinct rank layout (the first rank that has it)
+        distinct.setdefault((row["weight_bytes"], row["kv_pool_bytes"]), row)
+    for x in distinct.values():
+        lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}) + KV "
+                     f"{gib(x['kv_pool_bytes'])} + headroom {gib(x['headroom_bytes'])} = {what} "
+                     f"{gib(x['device_memory'])}")
     lines.append(_note(rows))
     return "\n".join(lines)

@@ -210,24 +210,37 @@ def copy_checkpoint(src, dst):
     return dst
 
 
-def test_a_checkpoint_that_needs_remote_code_is_refused(checkpoint, tmp_path):
+def test_a_checkpoint_that_ships_its_own_code_never_runs_it(checkpoint, tmp_path, caplog):
+    """auto_map (as DeepSeek-V3's official config.json has) is ignored for an architecture we
+    implement, with one log line; a tokenizer that only the checkpoint's code can build is refused."""
+    import logging
+
     from dspark_cluster.engine import load_tokenizer
     from dspark_cluster.model.spec import load_spec
 
     bundled = os.path.join(os.path.dirname(__import__("dspark_cluster").__file__), "assets", "tiny-moe")
     ckpt = copy_checkpoint(bundled, tmp_path / "remote")
+    for name in ("tokenization_evil.py", "configuration_evil.py"):
+        (ckpt / name).write_text("raise SystemExit('remote code ran')\n")
     tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    (ckpt / "tokenization_evil.py").write_text("raise SystemExit('remote code ran')\n")
-    with pytest.raises(CheckpointError, match="auto_map.*remote code"):
-        load_tokenizer(ckpt)
-
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="config.json.*auto_map"):
-        load_spec(ckpt)
+    with caplog.at_level(logging.INFO):
+        assert load_spec(ckpt).family == "deepseek_v3"
+        assert load_tokenizer(ckpt).encode("hello") == load_tokenizer(bundled).encode("hello")
+    ignored = [r.getMessage() for r in caplog.records if "auto_map" in r.getMessage()]
+    assert len(ignored) == 2 and all("ignored" in m for m in ignored)
+    assert LLM(ckpt).generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+    # only the checkpoint's own code could build this tokenizer: refused, never run
+    (ckpt / "tokenizer.json").unlink()
+    tok_cfg["tokenizer_class"] = "EvilTokenizer"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    with pytest.raises(CheckpointError, match="auto_map.*never runs remote code"):
+        load_tokenizer(ckpt)
 
 
 def test_a_transposed_expert_tensor_is_refused_by_name(checkpoint, tmp_path):

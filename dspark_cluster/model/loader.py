@@ -3,6 +3,11 @@
 The shard is `(tp_rank, tp_size)` plus the list of experts it holds. Only the tensors (and, for
 split tensors, only the rows or columns) that this shard needs are read from disk:
 safetensors' `get_slice` reads a slice without materialising the rest.
+
+FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2: e4m3 weights, each with a `*.weight_scale_inv` of one
+float32 scale per (rows, cols) block) are dequantized slice by slice: a shard reads its rows or
+columns of the fp8 tensor and the scale blocks that cover them, and only that slice is ever
+widened (scale x value in float32, then the model's dtype).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
+from .fp8 import FP8_DTYPES, dequantize_fp8
 from .layers import LocalComm
 from .model import DecoderModel
 from .spec import ModelSpec
@@ -22,10 +28,12 @@ from .spec import ModelSpec
 
 
 class CheckpointReader:
-    """Name -> file index over a folder of *.safetensors; reads tensors or slices on demand."""
+    """Name -> file index over a folder of *.safetensors; reads tensors or slices on demand.
+    fp8_block: the checkpoint's quantization block (rows, cols), from config.json, or None."""
 
-    def __init__(self, path):
+    def __init__(self, path, fp8_block=None):
         self.path = Path(path)
+        self.fp8_block = tuple(fp8_block) if fp8_block else None
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors files; save the model with safe_serialization")
@@ -50,17 +58,12 @@ class CheckpointReader:
     def has(self, name):
         return name in self.where
 
-    def read(self, name, dim=None, start=0, length=None, expect=None):
+    def _slice(self, name):
         if name not in self.where:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        sl = self._handle(self.where[name]).get_slice(name)
-        if dim is not None:  # the dimensions not split must match whole (a transposed tensor would not)
-            shape = sl.get_shape()
-            if expect is not None and (len(shape) != len(expect) or any(
-                    a != b for d, (a, b) in enumerate(zip(shape, expect)) if d != dim) or shape[dim] < start + length):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(shape)}, but this "
-                                      f"architecture needs {tuple(expect)} outside dimension {dim} and at least "
-                                      f"{start + length} along it")
+        return self._handle(self.where[name]).get_slice(name)
+
+    def _take(self, sl, dim, start, length):
         if dim is None:
             t = sl[:]
         elif dim == 0:
@@ -69,6 +72,47 @@ class CheckpointReader:
             t = sl[:, start : start + length]
         self.bytes_read += t.numel() * t.element_size()
         return t
+
+    def read(self, name, dim=None, start=0, length=None, expect=None):
+        """The tensor `name`, or its rows (dim 0) / columns (dim 1) [start, start + length); an fp8
+        tensor comes back dequantized to float32 (only the slice asked for)."""
+        sl = self._slice(name)
+        if dim is not None:  # the dimensions not split must match whole (a transposed tensor would not)
+            shape = sl.get_shape()
+            if expect is not None and (len(shape) != len(expect) or any(
+                    a != b for d, (a, b) in enumerate(zip(shape, expect)) if d != dim) or shape[dim] < start + length):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(shape)}, but this "
+                                      f"architecture needs {tuple(expect)} outside dimension {dim} and at least "
+                                      f"{start + length} along it")
+        dtype = sl.get_dtype()
+        if not dtype.startswith("F8"):
+            return self._take(sl, dim, start, length)
+        return self._read_fp8(name, sl, dtype, dim, start, length)
+
+    def _read_fp8(self, name, sl, dtype, dim, start, length):
+        scale_name = name + "_scale_inv"
+        if dtype not in FP8_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {dtype}; only e4m3 fp8 (F8_E4M3) is supported")
+        if self.fp8_block is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is fp8 ({dtype}) but config.json has no "
+                                  "quantization_config with weight_block_size; add it (DeepSeek-V3: quant_method fp8, "
+                                  "weight_block_size [128, 128]) or dequantize the checkpoint")
+        if not self.has(scale_name):
+            raise CheckpointError(f"{self.path}: fp8 tensor {name!r} has no block scales {scale_name!r}")
+        bm, bn = self.fp8_block
+        rows, cols = sl.get_shape()
+        scale_sl = self._slice(scale_name)
+        want = (-(-rows // bm), -(-cols // bn))
+        if tuple(scale_sl.get_shape()) != want:
+            raise CheckpointError(f"{self.path}: {scale_name!r} has shape {tuple(scale_sl.get_shape())}, expected "
+                                  f"{want} for a {rows} x {cols} weight in {bm} x {bn} blocks (weight_block_size)")
+        q = self._take(sl, dim, start, length)
+        if dim is None:
+            return dequantize_fp8(q, self._take(scale_sl, None, 0, None), self.fp8_block)
+        b = bm if dim == 0 else bn
+        first, last = start // b, (start + length - 1) // b  # the scale blocks this slice touches
+        scale = self._take(scale_sl, dim, first, last - first + 1)
+        return dequantize_fp8(q, scale, self.fp8_block, start if dim == 0 else 0, start if dim == 1 else 0)
 
 
 def _hf_names(name: str, spec: ModelSpec, expert_ids):
@@ -153,7 +197,7 @@ def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") 
         model = DecoderModel(spec, comm, expert_ids)
     model = model.to(dtype=spec.dtype).to_empty(device=device)
     model.reset_buffers()
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, spec.fp8_block)
     load_weights(model, reader)
     model.bytes_read = reader.bytes_read
     return model.eval().requires_grad_(False)

@@ -7,6 +7,7 @@ our decoder has to build: attention kind, which layers are MoE, the routing rule
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,8 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 # model_type -> family. Dense families exist for drafters.
 SUPPORTED = {
@@ -72,6 +75,8 @@ class ModelSpec:
     shared_prefix: str = "shared_experts"
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple = ()
+    # fp8 checkpoints: the (rows, cols) block of each `*.weight_scale_inv` entry; None = not quantized
+    fp8_block: Optional[tuple] = None
     hf_config: object = field(default=None, repr=False, compare=False)
 
     @property
@@ -86,21 +91,47 @@ class ModelSpec:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def refuse_remote_code(path, filename: str) -> None:
-    """A checkpoint whose `filename` maps classes to its own Python code (`auto_map`) would make
-    transformers ask whether to run that code; this package never runs checkpoint code."""
+def ignore_remote_code(path, filename: str) -> bool:
+    """Whether `filename` maps classes to the checkpoint's own Python code (`auto_map`), which this
+    package never runs (trust_remote_code=False): an architecture we implement is loaded with our
+    code, and one log line says the checkpoint's own was ignored."""
     f = Path(path) / filename
     if not f.is_file():
-        return
+        return False
     try:
         auto_map = json.loads(f.read_text()).get("auto_map")
     except (ValueError, AttributeError) as e:
         raise CheckpointError(f"{f}: not a JSON object ({e}); fix or remove the file") from None
     if auto_map:
-        raise CheckpointError(
-            f"{f}: 'auto_map' names the checkpoint's own code ({', '.join(sorted(auto_map))}); DSpark never runs "
-            "remote code (trust_remote_code=False). Use a checkpoint of a supported architecture without auto_map"
-        )
+        log.info("%s: 'auto_map' names the checkpoint's own code (%s); it is ignored, the built-in implementation "
+                 "is used (remote code never runs)", f, ", ".join(sorted(auto_map)))
+    return bool(auto_map)
+
+
+# quant_method -> what we do with it; anything else is refused by name
+QUANTIZATION = {"fp8": "e4m3 weights with block scales (weight_block_size), dequantized per shard at load"}
+
+
+def checkpoint_quantization(path, raw: dict) -> Optional[tuple]:
+    """config.json's `quantization_config` -> the fp8 weight block (rows, cols), or None for an
+    unquantized checkpoint. Any other scheme is refused by name: a quantized tensor must never be
+    copied into a parameter as if it were the weight."""
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    supported = "; ".join(f"{k}: {v}" for k, v in QUANTIZATION.items())
+    if method not in QUANTIZATION:
+        raise CheckpointError(f"{path}: quantization_config.quant_method {method!r} is not supported (supported: "
+                              f"{supported}); use a bf16/fp16/fp32 checkpoint or a supported quantization")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{path}: quantization_config.weight_block_size: got {block!r}; fp8 checkpoints are "
+                              "supported with block scales, weight_block_size: [rows, cols] (DeepSeek-V3: [128, 128])")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{path}: quantization_config.fmt: got {fmt!r}; only e4m3 fp8 weights are supported")
+    return tuple(block)
 
 
 def load_spec(path, dtype: str = "auto") -> ModelSpec:
@@ -117,7 +148,8 @@ def load_spec(path, dtype: str = "auto") -> ModelSpec:
             f"{path}: architecture {model_type!r} ({raw.get('architectures')}) is not supported; "
             f"supported model_type values: {', '.join(SUPPORTED)}"
         )
-    refuse_remote_code(path, "config.json")
+    ignore_remote_code(path, "config.json")
+    fp8_block = checkpoint_quantization(path, raw)
     hf = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     family = SUPPORTED[model_type]
     g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
@@ -139,6 +171,7 @@ def load_spec(path, dtype: str = "auto") -> ModelSpec:
         hidden_act=g("hidden_act", "silu"),
         intermediate_size=g("intermediate_size", 0),
         hf_config=hf,
+        fp8_block=fp8_block,
     )
     if common["hidden_act"] != "silu":
         raise CheckpointError(f"{path}: hidden_act {common['hidden_act']!r} is not supported (only silu)")

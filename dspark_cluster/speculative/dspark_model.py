@@ -319,21 +319,19 @@ def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
 
 
 def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target checkpoint's input embedding and LM head (the drafter shares them, frozen)."""
-    from safetensors import safe_open
+    """The target checkpoint's input embedding and LM head (the drafter shares them, frozen);
+    read through the checkpoint reader, so an fp8 checkpoint's tables come back dequantized."""
+    from ..model.loader import CheckpointReader
 
-    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-    for f in sorted(Path(target_path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in want:
-                if name in st.keys():
-                    want[name] = st.get_tensor(name)
-    if want["lm_head.weight"] is None and spec.tie_word_embeddings:
-        want["lm_head.weight"] = want["model.embed_tokens.weight"]
-    if any(v is None for v in want.values()):
-        raise ConfigError(f"speculative.draft_model: the target {target_path} lacks {[k for k, v in want.items() if v is None]}"
+    reader = CheckpointReader(target_path, spec.fp8_block)
+    names = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
+    if not reader.has(names["head"]) and spec.tie_word_embeddings:
+        names["head"] = names["embed"]
+    missing = [n for n in names.values() if not reader.has(n)]
+    if missing:
+        raise ConfigError(f"speculative.draft_model: the target {target_path} lacks {missing}"
                           " (a DSpark drafter needs the target's embedding and LM head)")
-    return want["model.embed_tokens.weight"], want["lm_head.weight"]
+    return reader.read(names["embed"]), reader.read(names["head"])
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:
