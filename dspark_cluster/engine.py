@@ -32,7 +32,7 @@ from .speculative.drafting import Drafter
 from .speculative.proposers import DraftRequest
 from .speculative.spec_decode import Proposal
 from .speculative.verify_budget import StepCost, VerifyPlanner
-from .outputs import TokenLogprob
+from .outputs import TokenEvent, TokenLogprob
 from .step import StepInput, StepOutput, build_step_input, profile_input
 
 log = logging.getLogger(__name__)
@@ -59,18 +59,6 @@ def load_tokenizer(path) -> Optional[object]:
             f"{p}/tokenizer_config.json: 'auto_map' names the checkpoint's own tokenizer code and transformers has no "
             "built-in class for it; DSpark never runs remote code (trust_remote_code=False). Ship a tokenizer.json "
             "(a fast tokenizer), or set model.tokenizer to a folder with one") from None
-
-
-@dataclass
-class TokenEvent:
-    """What one request gained in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: Optional[str]
-    seq: Sequence
-    logprobs: Optional[list] = None  # a TokenLogprob per new token (SamplingParams.logprobs)
 
 
 @dataclass

@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .engine import LLMEngine, TokenEvent
+from .engine import LLMEngine
 from .errors import StepError
-from .outputs import OutputProcessor, RequestOutput, StreamPiece
+from .outputs import OutputProcessor, RequestOutput, StreamPiece, TokenEvent
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,18 @@ from typing import Optional
 from tokenizers.decoders import DecodeStream
 
 
+@dataclass
+class TokenEvent:
+    """What one request gained in one step (the engine's output, before detokenisation)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    seq: object  # the engine's Sequence
+    logprobs: Optional[list] = None  # a TokenLogprob per new token (SamplingParams.logprobs)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One token's log-probability and the most likely alternatives at its position, best first."""
