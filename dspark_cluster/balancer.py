@@ -3,8 +3,10 @@
 Every step's StepOutput carries tokens per (MoE layer, logical expert). The balancer keeps a
 sliding window of them, reports balancedness (mean / max tokens per rank, per layer) under the
 current placement, and every `interval_steps` (or on demand) asks the EPLB policy for a better
-placement. A change is then staged on the workers in the background and committed at a step
-boundary once every rank holds its new experts: outputs never change, only where experts live.
+placement. A change is then staged on the workers between steps (on their step threads, after
+the step that brought it and the next ones while steps keep running on the old placement; see
+parallel/migration.py) and committed at a step boundary once every rank holds its new experts:
+outputs never change, only where experts live.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class ExpertBalancer:
         self.requested = False
         self.events = deque(maxlen=RANK_HISTORY_KEPT)  # committed rebalances
         self.num_moe_layers, self.num_experts, self.num_redundant = num_moe_layers, num_experts, e.num_redundant_experts
+        # the handshake: the version the next StepInput commits, and the bytes its migration moved
+        self._commit_version: Optional[int] = None
+        self._migration_bytes = 0
 
     def keep_history(self) -> None:
         """Keep every step's per-rank load from now on (a run's report), not only the latest."""
@@ -51,7 +56,32 @@ class ExpertBalancer:
         migration under way."""
         self.placement = default_placement(self.num_moe_layers, self.num_experts, self.num_ranks, self.num_redundant)
         self.pending = None
+        self._commit_version, self._migration_bytes = None, 0
         self.window.clear()
+
+    # ---- the handshake with the workers, on the step's own data -----------------------------
+    def stamp(self, inputs: list) -> None:
+        """Before a step is submitted (world > 1): on every group's StepInput, the commit the last
+        output made ready and a new placement to start staging (the same on every group: all ranks
+        switch together)."""
+        if self.num_ranks <= 1:
+            return
+        commit, self._commit_version = self._commit_version, None
+        update = self.placement_update()
+        for step_in in inputs:
+            step_in.commit_placement, step_in.placement_update = commit, update
+
+    def read(self, inputs: list, outs: list) -> None:
+        """After the step: the load it routed; the commit it ran; a migration every rank has staged
+        (the next step commits it)."""
+        self.observe(sum(o.expert_load for o in outs))
+        if inputs[0].commit_placement is not None:
+            self.committed(self._migration_bytes)
+        elif outs[0].migration_ready:
+            version = self.commit_version(True)
+            if version is not None:  # None: already committing (its commit may not have been sent yet)
+                self._migration_bytes = outs[0].migration_bytes
+                self._commit_version = version
 
     # ---- telemetry ------------------------------------------------------------------------
     def observe(self, expert_load: Optional[torch.Tensor]) -> None:

@@ -7,12 +7,18 @@ Pure functions over plain dicts (no engine, no Ray), so a saved report can be re
   the ledger a report keeps under `cost`;
 - `compare_runs` puts two reports side by side and computes the gain/cost figure: effective
   throughput gain divided by resource cost gain, with a verdict in three words' worth;
-- `ledger_metrics` lists the ledger as Prometheus samples, one table for both metric sinks.
+- `ledger_metrics` lists the ledger as Prometheus samples, one table for both metric sinks;
+- `CostMeter` is the engine's side: the counters a running engine keeps for its ledger, the
+  snapshots a run's ledger is the difference of, and the devices' memory by kind (it holds plain
+  numbers and is handed the executor's and drafters' reports; it never calls them).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from typing import Optional
+
 # memory kinds a device may hold, in the order reports print them
 MEMORY_KINDS = ("weights", "kv_pool", "kv_peak_used", "expert_staging", "drafter_weights", "drafter_kv",
                 "calibrator_state")
@@ -239,3 +245,82 @@ def label_names(name: str) -> tuple:
     return {"dspark_device_seconds": ("role",), "dspark_device_utilisation": ("role",),
             "dspark_ledger_tokens": ("kind",)}.get(name, ())
 
+
+
+class CostMeter:
+    """A running engine's counters for its ledger. `usage` snapshots them; a run's ledger is the
+    difference of two snapshots (`ledger`), so a server's live ledger and a run's report read the
+    same counters."""
+
+    def __init__(self, cfg, num_groups: int):
+        self.ray = cfg.parallel.executor == "ray"
+        self.world = cfg.parallel.world_size
+        self.draft_workers = cfg.speculative.draft_workers
+        self.prices = cfg.cost.price_per_device_hour.model_dump()
+        self.forward_s = 0.0  # the driver ranks' forward seconds
+        self.export_bytes = 0  # DSpark context rows sent to the drafters
+        self.prompt_tokens = self.output_tokens = 0
+        self.kv_peak_blocks = [0] * num_groups  # per data-parallel group
+        self.reports: Optional[tuple] = None  # (the target's, the drafters') device reports as last read
+
+    def step(self, stats: dict, blocks_used: list[int]) -> None:
+        """One step's stats (engine.step_stats) and each group's KV blocks in use after it."""
+        self.forward_s += stats["forward_s"]
+        self.export_bytes += stats["export_bytes"]
+        self.kv_peak_blocks = [max(a, b) for a, b in zip(self.kv_peak_blocks, blocks_used)]
+
+    def usage(self, draft_s: float, tokens: dict, comm_ranks: Optional[list] = None) -> dict:
+        """A snapshot: the counters, this process's CPU time (the Router's busy time on Ray), the
+        drafters' proposal seconds, tokens by kind (prompt and output from here, the others given),
+        and with comm_ranks (each rank's {"bytes": {kind: n}}) the bytes sent per collective kind."""
+        comm = None
+        if comm_ranks is not None:
+            comm = {}
+            for r in comm_ranks:
+                for kind, n in r["bytes"].items():
+                    comm[kind] = comm.get(kind, 0) + n
+        return {"time": time.monotonic(), "process_cpu_s": time.process_time(), "forward_s": self.forward_s,
+                "export_bytes": self.export_bytes, "draft_s": draft_s,
+                "tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens, **tokens}, "comm_bytes": comm}
+
+    def devices(self, migrated: bool) -> list[dict]:
+        """Every device (or process) held, with its memory by kind (`cost_ledger`'s devices), from the
+        reports last read: the target's workers (KV peak from their group's peak blocks in use; expert
+        staging where a rebalance staged weights), the drafter group and calibrator, and on Ray the
+        Router's process (a CPU core)."""
+        target, drafters = self.reports
+        devices = []
+        for d in target:
+            staging = d.get("expert_staging_bytes", d["expert_bytes"] if migrated else 0)
+            memory = {**d["memory"], "kv_peak_used": d["kv_bytes_per_block"] * self.kv_peak_blocks[d["group"]],
+                      "expert_staging": staging}
+            devices.append({"role": d["role"], "rank": d["rank"], "kind": d["kind"], "memory": memory})
+        for d in drafters:
+            if d.get("shares_device"):  # in process: on the target's device
+                for kind, n in d["memory"].items():
+                    devices[0]["memory"][kind] = devices[0]["memory"].get(kind, 0) + n
+            else:
+                devices.append(d)
+        if self.ray:
+            devices.append({"role": "router", "rank": 0, "kind": "cpu", "memory": {}})
+        return devices
+
+    def ledger(self, base: dict, now: dict, devices: list[dict], speculating: bool, num_requests: int = 0) -> dict:
+        """The ledger between two snapshots. Busy seconds: the target's forward time on each of its
+        devices; the drafters' proposal time (as the engine waits for it) on each drafter; on Ray the
+        Router process's CPU time. In process the drafter's time is on the target's device."""
+        forward = now["forward_s"] - base["forward_s"]
+        draft = now["draft_s"] - base["draft_s"]
+        if self.ray:
+            busy = {"target": forward * self.world, "router": now["process_cpu_s"] - base["process_cpu_s"]}
+            if speculating:
+                busy["drafter"] = draft * self.draft_workers
+        else:
+            busy = {"target": forward + draft}
+        comm_bytes = {}
+        if now["comm_bytes"] is not None and base.get("comm_bytes") is not None:
+            # max(0, ...): restarted workers count from zero again
+            comm_bytes = {k: max(0, v - base["comm_bytes"].get(k, 0)) for k, v in now["comm_bytes"].items()}
+        comm_bytes["hidden_state_export"] = now["export_bytes"] - base["export_bytes"]
+        tokens = {k: v - base["tokens"].get(k, 0) for k, v in now["tokens"].items()}
+        return cost_ledger(now["time"] - base["time"], devices, busy, tokens, comm_bytes, self.prices, num_requests)

@@ -3,7 +3,7 @@
 Two implementations, chosen by name (`parallel.executor`): `local`, the whole model on one device in
 this process (`LocalExecutor`, here), and `ray`, the model sharded over Ray actors (`actors.cluster.
 Cluster`). The Ray side imports the core and is never imported by it: `backend("ray")` finds it by
-the module name registered in `BACKENDS`, as vLLM resolves an executor class by its qualified name.
+the module name registered in `backends.BACKENDS`, as vLLM resolves an executor class by its qualified name.
 
 An executor has:
     submit(step) -> handle          start one step (a StepInput, or one per data-parallel group)
@@ -22,10 +22,9 @@ An executor has:
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from .backends import backend
 from .config import Config
 from .cost import device_kind
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
@@ -33,19 +32,6 @@ from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepInput, StepOutput
 from .step_exec import execute_step
-
-# executor name -> the module that implements it outside the core (see backend())
-BACKENDS = {"ray": "actors.backend"}
-
-
-def backend(name: str):
-    """The module of a named backend (`ray`: actors.backend), which provides its executor, drafter
-    group and remote engine client; imported on first use so that the core runs without it."""
-    try:
-        return importlib.import_module(BACKENDS[name])
-    except KeyError:
-        raise ValueError(f"no backend named {name!r}; known: {', '.join(BACKENDS)}") from None
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

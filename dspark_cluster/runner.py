@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .async_engine import AsyncEngine
 from .config import Config
-from .executor import backend
+from .backends import backend
 from .model.spec import load_spec
 from .report import expert_max_over_mean, plot_expert_heatmaps, summarize, write_report
 from .workload import make_workload

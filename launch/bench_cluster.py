@@ -298,7 +298,8 @@ def decode_step_payloads(path):
     from dspark_cluster.kv_cache import BlockManager
     from dspark_cluster.scheduler import Scheduler
     from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import StepOutput, build_step_input
+    from dspark_cluster.step import StepOutput
+    from dspark_cluster.step_builder import build_step_input
 
     bm = BlockManager(64, 16)
     sc = Scheduler(bm, 4, 2048, 4096)
@@ -468,7 +469,7 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     from dspark_cluster.sampling import SamplingParams as SP
     from dspark_cluster.scheduler import Scheduler
     from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import build_step_input
+    from dspark_cluster.step_builder import build_step_input
     from dspark_cluster.step_exec import execute_step
     from parallel.comm import TensorParallelComm
     from parallel.expert_parallel import ExpertParallelDispatch

@@ -128,7 +128,7 @@ def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 3
     from dspark_cluster.sampling import SamplingParams
     from dspark_cluster.scheduler import ScheduledSeq
     from dspark_cluster.sequence import Sequence
-    from dspark_cluster.step import build_step_input
+    from dspark_cluster.step_builder import build_step_input
     from dspark_cluster.step_exec import execute_step
 
     torch.set_num_threads(threads)

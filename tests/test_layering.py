@@ -75,3 +75,30 @@ def test_the_cycle_check_finds_a_cycle():
             return self.imports[m]
 
     assert import_cycles(Graph()) == [["actors.a", "actors.b", "actors.c"]]
+
+
+def test_the_step_contract_is_a_leaf():
+    """A worker that unpickles a StepInput imports the contract and the speculative records only:
+    not the scheduler, the engine, the drafter's trainer (DeepSpeed) or transformers."""
+    graph = grimp.build_graph(*PACKAGES)
+    leaf = {"dspark_cluster.step", "dspark_cluster.speculative.records"}
+    for module in leaf:
+        inside = {m for m in graph.find_modules_directly_imported_by(module) if m.split(".")[0] in PACKAGES}
+        assert inside <= leaf | {"dspark_cluster", "dspark_cluster.speculative"}, (module, inside - leaf)
+    code = ("import sys, pickle, torch; import dspark_cluster.step as s; "
+            "x = s.from_wire(s.to_wire(s.StepOutput(sampled=torch.zeros(1, 1, dtype=torch.long), "
+            "num_tokens=torch.ones(1, dtype=torch.long)))); "
+            "print(sorted(m for m in sys.modules if m.startswith(('dspark_cluster', 'deepspeed', 'transformers', "
+            "'ray', 'parallel', 'actors'))))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert eval(res.stdout) == ["dspark_cluster", "dspark_cluster.speculative", "dspark_cluster.speculative.records",
+                                "dspark_cluster.step"]
+
+
+def test_the_backend_registry_is_its_own_module():
+    """Nothing in the core reaches up to the executor for the registry (the drafter group used to)."""
+    graph = grimp.build_graph(*PACKAGES)
+    assert graph.find_modules_directly_imported_by("dspark_cluster.backends") == set()
+    for module in ("dspark_cluster.speculative.drafting", "dspark_cluster.runner"):
+        assert "dspark_cluster.executor" not in graph.find_modules_directly_imported_by(module), module

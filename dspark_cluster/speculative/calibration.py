@@ -32,6 +32,7 @@ import torch
 
 from parallel.state import init_world_of_one
 
+from .records import RoundRecords
 from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter, target_tables
 
 log = logging.getLogger(__name__)
@@ -44,71 +45,6 @@ ROUNDS_PER_SEQUENCE = 8
 
 
 # ---------------------------------------------------------------------------------------- records
-
-@dataclass
-class RoundRecords:
-    """R verify rounds of one step. K: most drafts of a round in the step; k: top_logprobs.
-    Verify position j (0 .. num_draft) holds the target's law of the token after the anchor's j-th
-    successor, i.e. what drafter slot j proposes, given the drafts before it."""
-
-    seq_ids: torch.Tensor  # [R] long
-    anchor_pos: torch.Tensor  # [R] long, the anchor's position (= context rows the drafter read)
-    anchor: torch.Tensor  # [R] long, the last committed token before the drafts
-    draft_tokens: torch.Tensor  # [R, K] long
-    num_draft: torch.Tensor  # [R] long, drafts verified
-    out_tokens: torch.Tensor  # [R, K+1] long, what the round committed: accepted drafts, then the target's token
-    num_tokens: torch.Tensor  # [R] long (accepted + 1)
-    greedy: torch.Tensor  # [R] bool
-    topk_ids: torch.Tensor  # [R, K+1, k] long, the target's top-k tokens (temperature 1) per verify position
-    topk_logprobs: torch.Tensor  # [R, K+1, k] float32
-    entropy: torch.Tensor  # [R, K+1] float32, the target's entropy (nats) per verify position
-
-    def __len__(self) -> int:
-        return int(self.seq_ids.shape[0])
-
-    def __getstate__(self):  # numpy on the wire: torch's pickling of small tensors is ~20x slower
-        return {f.name: getattr(self, f.name).numpy() for f in fields(self)}
-
-    def __setstate__(self, state):
-        for k, v in state.items():
-            setattr(self, k, torch.from_numpy(v if v.flags.writeable else v.copy()))
-
-    def by_sequence(self) -> dict[int, "RoundRecords"]:
-        """seq_id -> its rounds (one gather and one split per field, not one per sequence)."""
-        ids, order = torch.sort(self.seq_ids, stable=True)
-        uniq, counts = torch.unique_consecutive(ids, return_counts=True)
-        parts = {f.name: getattr(self, f.name)[order].split(counts.tolist()) for f in fields(self)}
-        return {sid: RoundRecords(**{k: v[i] for k, v in parts.items()}) for i, sid in enumerate(uniq.tolist())}
-
-    def select(self, idx) -> "RoundRecords":
-        return RoundRecords(*(getattr(self, f.name)[idx] for f in fields(self)))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(getattr(self, f.name).numel() * getattr(self, f.name).element_size() for f in fields(self))
-
-    @staticmethod
-    def cat(parts: list["RoundRecords"]) -> "RoundRecords":
-        """Rounds of several steps (K may differ: padded to the largest)."""
-        K = max(p.draft_tokens.shape[1] for p in parts)
-
-        def pad(t, dim_len, dim):
-            if t.shape[dim] == dim_len:
-                return t
-            shape = list(t.shape)
-            shape[dim] = dim_len - t.shape[dim]
-            return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-        out = {}
-        for f in fields(RoundRecords):
-            ts = [getattr(p, f.name) for p in parts]
-            if f.name == "draft_tokens":
-                ts = [pad(t, K, 1) for t in ts]
-            elif f.name in ("out_tokens", "topk_ids", "topk_logprobs", "entropy"):
-                ts = [pad(t, K + 1, 1) for t in ts]
-            out[f.name] = torch.cat(ts)
-        return RoundRecords(**out)
-
 
 def record_rounds(logits, draft_tokens, num_draft, out_tokens, num_tokens, temperature, anchor, anchor_pos,
                   seq_ids, top_logprobs: int) -> RoundRecords:

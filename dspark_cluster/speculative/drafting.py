@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import RequestError
-from ..executor import backend
+from ..backends import backend
 from .calibration import CalibrationLoop, Calibrator, DrafterVersions
 from .dspark_model import DSparkConfig
 from .proposers import DraftRequest, make_proposer

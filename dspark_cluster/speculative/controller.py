@@ -1,0 +1,244 @@
+"""The engine's speculation: the drafter group, the verify budget, and what they add to a step.
+
+Per step (`engine.LLMEngine.step` calls these in order):
+    poll()                 a restarted drafter group or a published drafter version takes over
+    plan(groups)           the confidence schedule sets how many positions the next step drafts
+    attach(scheds)         proposals for the rows that reserved draft slots, cut to the verify budget
+    stamp(inputs, scheds)  DSpark: which rows export context to the drafter, which rounds are recorded
+    observe(...)           each row's verify outcome: acceptance stats, the planner's calibration
+    free(events)           the drafter forgets finished sequences
+plus the admin operations (status, rollback, resume, the run-time switch) and the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .drafting import Drafter
+from .proposers import DraftRequest
+from .spec_decode import Proposal
+from ..step_builder import profile_input
+from .verify_budget import StepCost, VerifyPlanner
+
+
+log = logging.getLogger(__name__)
+
+
+def profile_step_cost(executor, cfg, num_groups: int, repeats: int = 5) -> StepCost:
+    """T(B) at start-up, for the verify budget: greedy verify steps of B tokens on the target (up to
+    the most a step can verify: max_num_seqs rows of 1 + num_tokens), the fastest of `repeats`
+    after one warm-up each."""
+    sc, k = cfg.scheduler, cfg.speculative.num_tokens
+    rows_max = sc.max_num_seqs
+    cap = max(1, min(sc.max_num_batched_tokens, rows_max * (1 + k)))
+    grid = sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} | {cap})
+    tokens, seconds = [], []
+    for B in grid:
+        rows = min(B, rows_max)
+        q = -(-B // rows)
+        inp = profile_input(rows, q, sc.block_size, executor.num_blocks)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            executor.wait(executor.submit([inp] * num_groups if num_groups > 1 else inp))
+            times.append(time.perf_counter() - t)
+        if rows * q not in tokens:
+            tokens.append(rows * q)
+            seconds.append(min(times[1:]))
+    log.info("step cost profile (tokens: ms): %s", ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in zip(tokens, seconds)))
+    return StepCost(tokens, seconds)
+
+
+class Speculation:
+    def __init__(self, cfg, spec, executor, num_groups: int):
+        """executor: the target's (its device hosts an in-process drafter; the confidence schedule
+        profiles its step cost at start-up)."""
+        self.cfg = cfg
+        self.drafter = Drafter(cfg, spec, executor.device)
+        self.lookahead = cfg.speculative.num_tokens
+        self.planner: Optional[VerifyPlanner] = None  # speculative.schedule: confidence
+        if cfg.speculative.schedule == "confidence":
+            self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
+                                         cfg.speculative.method)
+        self.record_rounds = cfg.speculative.calibration.enabled  # online calibration records verify rounds
+        self.wanted = True  # the run-time switch, as last set (a drafter restart restores it)
+        self.drafter_version = 0  # the drafter version the planner's window is of
+        self.num_drafted = self.num_verified = 0  # draft positions proposed / verified, over the run
+
+    # ---- before scheduling ---------------------------------------------------------------
+    def poll(self, groups, num_steps: int) -> None:
+        if self.drafter.poll(num_steps):
+            self.apply(groups)
+        self.follow_version()
+
+    def follow_version(self) -> None:
+        """A published or rolled-back drafter version: the verify budget recalibrates on its rounds."""
+        versions = self.drafter.versions
+        if versions is not None and versions.serving != self.drafter_version:
+            self.drafter_version = versions.serving
+            if self.planner is not None:
+                self.planner.drafter_changed()
+
+    def plan(self, groups) -> None:
+        """Confidence schedule: choose how many positions the next step drafts (0 at a load where
+        drafting does not pay: that step is plain decoding and may be scheduled ahead)."""
+        if self.planner is None:
+            return
+        if any(g.speculation_enabled for g in groups):
+            k = self.planner.draft_len(sum(min(g.max_num_seqs, len(g.running) + len(g.waiting)) for g in groups))
+        else:
+            k = 0
+        for g in groups:
+            g.lookahead = k
+
+    def apply(self, groups) -> None:
+        """The run-time switch and the drafter's health, to every group's scheduler."""
+        for g in groups:
+            g.speculation_enabled = self.wanted and self.drafter.alive
+
+    # ---- building the step ---------------------------------------------------------------
+    def attach(self, scheds, groups) -> None:
+        """Ask the drafter for the decode rows that reserved draft slots; with the confidence
+        schedule, keep of each proposal the prefix the verify budget admits. Also start the
+        drafter's prompt prefill beside the target's (not while the schedule drafts nothing: a
+        proposal catches up on what it missed)."""
+        rows = [s for sc in scheds for s in sc.scheduled if s.num_lookahead]
+        if self.planner is not None and self.planner.exploring:
+            rows = rows[: self.planner.explore_rows]  # drafting only to refresh the estimates
+        if rows:
+            self._propose(rows, scheds)
+            if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
+                self.apply(groups)
+        if self.planner is None or any(g.lookahead for g in groups):
+            self.drafter.prefill_async([
+                DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
+                if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
+            ])
+
+    def _propose(self, rows, scheds) -> None:
+        reqs = [
+            DraftRequest(s.seq.seq_id, s.seq.token_ids, s.num_lookahead, s.seq.params.temperature,
+                         s.seq.params.top_k, s.seq.params.top_p,
+                         -1 if s.seq.params.seed is None else s.seq.params.seed, s.seq.num_output_tokens)
+            for s in rows
+        ]
+        t = time.perf_counter()
+        props = self.drafter.propose(reqs)
+        draft_s = time.perf_counter() - t
+        for s, prop in zip(rows, props):
+            if prop.tokens:
+                s.proposal = _cut(prop, s.num_lookahead)
+        if self.planner is not None:
+            self.planner.drafted(len(reqs), max(s.num_lookahead for s in rows), draft_s)
+            for sc in scheds:
+                self._apply_verify_budget(sc, draft_s)
+
+    def _apply_verify_budget(self, sc, draft_s: float) -> None:
+        """Cut each proposal of one group's step to the verify length the budget gives it."""
+        rows = [s for s in sc.scheduled if s.proposal is not None]
+        if not rows:
+            return
+        raw = self.planner.raw_confidences([s.proposal for s in rows])
+        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
+        for s, conf, n in zip(rows, raw, lengths.tolist()):
+            s.draft_confidences = conf
+            s.proposal = None if n == 0 else _cut(s.proposal, n)
+
+    def stamp(self, inputs, scheds) -> None:
+        """DSpark: the driver rank exports the target's states of committed tokens to the drafter
+        (-1: a request that does not speculate exports nothing); online calibration: the rounds of
+        requests that let it are recorded."""
+        export = self.drafter.export()
+        if export is None:
+            return
+        for step_in, sc in zip(inputs, scheds):
+            if not sc.scheduled:
+                continue
+            step_in.export_layers, step_in.export_to = export
+            step_in.seq_ids = torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
+                                           dtype=torch.long)
+            if self.record_rounds:
+                step_in.record_rounds = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
+                                                     dtype=torch.bool)
+                step_in.record_top_logprobs = self.cfg.speculative.calibration.top_logprobs
+
+    # ---- after the step ------------------------------------------------------------------
+    def ingest(self, outs) -> None:
+        """In process, the exported context comes back with the output."""
+        for out in outs:
+            if out.context is not None:
+                self.drafter.ingest(out.context)
+                out.context = None
+
+    def observe(self, rows, sampled: dict, num_steps: int) -> tuple[int, int]:
+        """One group's sample rows after verification (sampled: seq_id -> its tokens). Returns the
+        verify rounds and the tokens they produced (tau = tokens / rounds)."""
+        stats = self.drafter.stats
+        spec = [s for s in rows if s.proposal is not None]
+        for s in spec:
+            stats.record(s.num_draft, len(sampled[s.seq.seq_id]) - 1, s.proposal.confidences)
+        round_tokens = [len(sampled[s.seq.seq_id]) for s in spec]
+        self.drafter.observe_rounds(round_tokens, [s.num_draft for s in spec], num_steps)
+        drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
+        if self.planner is not None and drafted:
+            self.planner.observe(np.stack([s.draft_confidences for s in drafted]), [s.num_draft for s in drafted],
+                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted])
+        return len(round_tokens), sum(round_tokens)
+
+    def step_stats(self, scheds) -> dict:
+        """Positions drafted and verified this step (the verify budget is num_tokens + num_verified:
+        every token the step ran), and the longest draft slot reserved."""
+        drafted = sum(len(s.draft_confidences) - int(np.isnan(s.draft_confidences).sum())
+                      if s.draft_confidences is not None else s.num_draft for sc in scheds for s in sc.scheduled)
+        verified = sum(s.num_draft for sc in scheds for s in sc.scheduled)
+        self.num_drafted += drafted
+        self.num_verified += verified
+        return {"num_drafted": drafted, "num_verified": verified,
+                "draft_len": max((s.num_lookahead for sc in scheds for s in sc.scheduled), default=0),
+                "drafter_version": self.drafter_version}
+
+    def observe_step_cost(self, tokens: int, seconds: float) -> None:
+        if self.planner is not None:
+            self.planner.step_cost.observe(tokens, seconds)
+
+    def free(self, seqs, reason) -> None:
+        """The drafter forgets these sequences. reason: one for all, or seq_id -> reason."""
+        reasons = reason if isinstance(reason, dict) else {s.seq_id: reason for s in seqs}
+        self.drafter.free([s.seq_id for s in seqs], reasons)
+
+    # ---- admin ---------------------------------------------------------------------------
+    def status(self) -> dict:
+        return self.drafter.status()
+
+    def rollback(self, version: Optional[int], num_steps: int) -> dict:
+        out = self.drafter.rollback(version, num_steps)
+        self.follow_version()
+        return out
+
+    def resume(self) -> dict:
+        return self.drafter.resume()
+
+    def summary(self) -> dict:
+        """The drafter's acceptance figures; with the confidence schedule also the verify budget's
+        (draft positions verified / drafted, STS temperatures, ECE by position, the step cost model)."""
+        out = self.drafter.stats.summary()
+        out["schedule"] = self.cfg.speculative.schedule
+        out["num_drafted_positions"] = self.num_drafted
+        out["verified_share"] = self.num_verified / self.num_drafted if self.num_drafted else float("nan")
+        if self.planner is not None:
+            out["calibration"] = self.planner.summary()
+        if self.drafter.versions is not None:  # online calibration (the calibrator's side: status())
+            out["drafter_versions"] = self.drafter.versions.status()
+        return out
+
+
+def _cut(p: Proposal, n: int) -> Proposal:
+    """The first n positions of a proposal."""
+    return Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n],
+                    None if p.confidences is None else p.confidences[:n])
+
