@@ -176,7 +176,7 @@ def load_spec(path, dtype: str = "auto") -> ModelSpec:
     if common["hidden_act"] != "silu":
         raise CheckpointError(f"{path}: hidden_act {common['hidden_act']!r} is not supported (only silu)")
 
-    ckpt_dtype = g("dtype") or g("torch_dtype") or torch.float32
+    ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or torch.float32  # raw: transformers warns on torch_dtype
     if isinstance(ckpt_dtype, str):
         ckpt_dtype = _DTYPES.get(ckpt_dtype, torch.float32)
     common["dtype"] = ckpt_dtype if dtype == "auto" else _DTYPES[dtype]
