@@ -8,14 +8,15 @@ import time
 import pytest
 import torch
 
-from dspark_cluster import LLM, SamplingParams
+from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.config import ASSETS_DIR
 from dspark_cluster.errors import ConfigError, RequestError
 from dspark_cluster.speculative.calibration import (Candidate, DrafterVersions, ReplayBuffer, RoundRecords,
                                                     SequenceSample, filter_sample, topk_law_distances)
 
 from conftest import build_dspark, random_prompts
-from test_speculative import joint_counts, small_vocab, two_sample_pvalue  # noqa: F401 -- fixture
+from test_speculative import small_vocab  # noqa: F401 -- fixture
+from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_verify, full_rounds, law_pvalue, seeded
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 TARGET, DRAFTER = ASSETS_DIR / "tiny-moe", ASSETS_DIR / "tiny-dspark"
@@ -204,37 +205,56 @@ def test_requests_that_opt_out_are_never_recorded(checkpoint, random_drafter):
         llm.shutdown()
 
 
+def flipping_versions_law_pvalue(small_vocab, tmp_path, k=3, n=3000, seed=0) -> float:  # noqa: F811
+    """Every step serves another version (the original and a perturbed one, switched at the step
+    boundary with their context keys/values recomputed), k drafts a round: the p-value of the output
+    law against the target's (see test_speculative's law tests), after checking that rounds
+    verifying all k drafts ran and that both versions served."""
+    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    cfg = cal_config(draft)
+    cfg["scheduler"] = LAW_SCHED
+    cfg["speculative"]["num_tokens"] = k
+    llm = LLM(small_vocab["target"], config=cfg)
+    try:
+        drafter = llm.engine.drafter
+        g = torch.Generator().manual_seed(1)
+        original = drafter.calibrator.versions[0]
+        state = {name: v + 0.5 * torch.randn(v.shape, generator=g) for name, v in original.items()}
+        drafter.backend.proposer.stage(1, state, keep={0, 1})
+        drafter.available = {0, 1}
+        poll = drafter.poll
+
+        def flip(step=0):
+            out = poll(step)
+            drafter.versions.switch(step % 2, "test flip", step)
+            return out
+
+        drafter.poll = flip
+        spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2))
+        stats = drafter.stats
+        assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k
+        assert 0 < stats.accepted[k - 1] and sum(stats.accepted) < sum(stats.proposed)
+        assert {e["to"] for e in drafter.versions.events} == {0, 1}
+        p = law_pvalue(spec, small_vocab["target"], LAW_PROMPT)
+        print(f"law p-value {p:.3g} (versions flipping, k={k}, drafts by position {stats.proposed}, "
+              f"accepted {stats.accepted})")
+        return p
+    finally:
+        llm.shutdown()
+
+
 def test_the_output_law_holds_while_versions_change_every_step(small_vocab, tmp_path):  # noqa: F811
     """Every step serves another version (the original and a perturbed one, switched at the step
     boundary with their context keys/values recomputed): the output law is still the target's."""
-    n = 3000
-    prompt = [1, 5, 2, 3, 1, 5, 2]
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
-    base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
-    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
-    cfg = cal_config(draft)
-    cfg["scheduler"] = sched
-    cfg["speculative"]["num_tokens"] = 2
-    llm = LLM(small_vocab["target"], config=cfg)
-    drafter = llm.engine.drafter
-    state = {k: v + 0.5 * torch.randn_like(v) for k, v in drafter.calibrator.versions[0].items()}
-    drafter.backend.proposer.stage(1, state, keep={0, 1})
-    drafter.available = {0, 1}
-    poll = drafter.poll
+    p = flipping_versions_law_pvalue(small_vocab, tmp_path)
+    assert p > LAW_P, p
 
-    def flip(step=0):
-        out = poll(step)
-        drafter.versions.switch(step % 2, "test flip", step)
-        return out
 
-    drafter.poll = flip
-    spec = llm.generate([prompt] * n, params)
-    stats = drafter.stats.summary()
-    assert stats["num_draft_tokens"] > n / 2 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    assert {e["to"] for e in drafter.versions.events} == {0, 1}
-    assert two_sample_pvalue(joint_counts(base), joint_counts(spec)) > 0.001
-    llm.shutdown()
+def test_the_flipping_versions_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(  # noqa: F811
+        small_vocab, tmp_path, monkeypatch):
+    monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
+    p = flipping_versions_law_pvalue(small_vocab, tmp_path)
+    assert p < LAW_P, p
 
 
 @pytest.fixture(scope="module")

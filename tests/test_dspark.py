@@ -4,11 +4,12 @@ target's states of the committed tokens, and speculation with it is lossless in 
 import pytest
 import torch
 
-from dspark_cluster import LLM, SamplingParams
+from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.errors import ConfigError
 
 from conftest import build_dspark, random_prompts
-from test_speculative import joint_counts, small_vocab, two_sample_pvalue  # noqa: F401 -- fixture
+from test_speculative import small_vocab  # noqa: F401 -- fixture
+from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_verify, full_rounds, law_pvalue, seeded
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -133,20 +134,34 @@ def test_greedy_output_is_identical_with_dspark(arch, checkpoint, drafters, prom
     assert len(conf) == 3 and all(0 < c < 1 for c in conf)
 
 
+def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0) -> float:  # noqa: F811
+    """Speculation with a random DSpark drafter over small_vocab's target, k drafts a round: the
+    p-value of the output law against the target's (see test_speculative's law tests), after
+    checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected."""
+    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    llm = LLM(small_vocab["target"], config={"scheduler": LAW_SCHED, "speculative": {
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}})
+    spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
+    stats = llm.engine.drafter.stats
+    assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k
+    assert 0 < stats.accepted[k - 1] and sum(stats.accepted) < sum(stats.proposed)
+    p = law_pvalue(spec, small_vocab["target"], LAW_PROMPT, top_p)
+    print(f"law p-value {p:.3g} (dspark, k={k}, top_p={top_p}, drafts by position {stats.proposed}, "
+          f"accepted {stats.accepted})")
+    return p
+
+
 @pytest.mark.parametrize("k, top_p", [(2, 1.0), (3, 0.8)])
 def test_dspark_sampling_is_lossless(k, top_p, small_vocab, tmp_path):  # noqa: F811
-    n = 3000
-    prompt = [1, 5, 2, 3, 1, 5, 2]
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, ignore_eos=True)
-    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
-    base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
-    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
-    llm = LLM(small_vocab["target"], config={"scheduler": sched, "speculative": {
-        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}})
-    spec = llm.generate([prompt] * n, params)
-    stats = llm.engine.drafter.stats.summary()
-    assert stats["num_draft_tokens"] > n / 2 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    assert two_sample_pvalue(joint_counts(base), joint_counts(spec)) > 0.001
+    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p)
+    assert p > LAW_P, p
+
+
+def test_the_dspark_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(small_vocab, tmp_path,  # noqa: F811
+                                                                                monkeypatch):
+    monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
+    p = dspark_law_pvalue(small_vocab, tmp_path, 3, 0.8)
+    assert p < LAW_P, p
 
 
 def test_dspark_config_is_checked_against_the_target(checkpoint, drafters):

@@ -1,13 +1,17 @@
 """Speculative decoding is lossless: greedy outputs are identical, sampled outputs keep the
 target's law, and a failing drafter only costs speed."""
 
+import functools
+import itertools
 import time
 
+import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2_contingency, chisquare
+from scipy.stats import chi2
 
-from dspark_cluster import LLM, SamplingParams
+from dspark_cluster import LLM, SamplingParams, step_exec
+from dspark_cluster.speculative.spec_decode import verify as exact_verify
 from dspark_cluster.speculative.verify_budget import StepCost
 
 from conftest import random_prompts
@@ -75,8 +79,8 @@ def test_speculation_switches_off_per_request_and_globally(checkpoint, prompts):
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    """A peaky 8-token target and drafters over the same vocabulary, so 3-token sequences have
-    few enough outcomes for a chi-square test on 3000 samples."""
+    """A peaky 8-token target and drafters over the same vocabulary, so that the joint law of 4
+    output tokens has few enough likely outcomes for a chi-square test on a few thousand samples."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def make(seed, scale, name):
@@ -91,51 +95,126 @@ def small_vocab(tmp_path_factory):
     return {"target": make(0, 0.35, "t8"), "poor": make(7, 0.5, "p8"), "mild": make(3, 0.2, "m8")}
 
 
-def joint_counts(outs):
-    counts = {}
-    for o in outs:
-        key = tuple(o.token_ids[:3])
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+# ------------------------------------------------------------------------------------ law tests
+# A law test samples n seeded requests (request i has seed `seed + i`, so every run draws the same
+# samples and gets the same p-value) and tests the joint law of their first LAW_TOKENS output
+# tokens against the target's exact law, computed from the transformers model by chained
+# conditionals. max_tokens = k + 2: the scheduler lets a round verify at most
+# max_tokens - outputs - 1 drafts, so each request's first round after its prefill verifies all k
+# (the 1st token comes from the prefill; tokens 2 .. k + 1 are the round's drafts' positions).
+
+LAW_PROMPT = [1, 5, 2, 3, 1, 5, 2]
+NGRAM_PROMPT = [6, 4, 7, 3, 0, 7, 2, 7, 5, 5, 6, 2]  # n-gram lookup drafts 2 tokens after almost every 1st token, and
+# the target accepts 1.1 of them on average (found by a search over random prompts)
+LAW_TOKENS = 4
+LAW_P = 0.001  # a law test passes above this p-value
+LAW_SCHED = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
 
 
-def two_sample_pvalue(a: dict, b: dict) -> float:
-    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
-    big = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]
-    rest = [k for k in keys if k not in big]
-    table = [[a.get(k, 0) for k in big] + [sum(a.get(k, 0) for k in rest)],
-             [b.get(k, 0) for k in big] + [sum(b.get(k, 0) for k in rest)]]
-    table = [row for row in zip(*table) if sum(row) > 0]
-    return chi2_contingency(list(zip(*table)))[1]
+def seeded(n: int, seed: int, **kw) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, ignore_eos=True, seed=seed + i, **kw) for i in range(n)]
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The sampling law at temperature 1 after top-p, in float64, written out apart from the
+    library's filter: a token stays while the mass of the tokens above it is below top_p."""
+    p = logits.double().softmax(-1)
+    if top_p >= 1.0:
+        return p
+    sp, order = p.sort(-1, descending=True)
+    sp = torch.where(sp.cumsum(-1) - sp < top_p, sp, torch.zeros_like(sp))
+    law = torch.zeros_like(p).scatter_(-1, order, sp)
+    return law / law.sum(-1, keepdim=True)
+
+
+@functools.lru_cache(maxsize=None)
+def target_joint_law(path: str, prompt: tuple, m: int = LAW_TOKENS, top_p: float = 1.0) -> np.ndarray:
+    """P(t_1 .. t_m | prompt) for every t in V^m (index: t_1 .. t_m as a base-V number), from the
+    reference transformers model: one forward over all V^(m-1) continuations gives every
+    conditional law of t_j given t_<j."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=m - 1)), dtype=torch.long).view(-1, m - 1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        cond = _nucleus(hf(ids).logits[:, len(prompt) - 1 :], top_p)  # [V^(m-1), m, V]
+    joint = cond[:, m - 1].clone()
+    for j in range(m - 1):
+        joint *= cond[torch.arange(len(prefixes)), j, prefixes[:, j]][:, None]
+    assert abs(float(joint.sum()) - 1.0) < 1e-9
+    return joint.flatten().numpy()
+
+
+def law_pvalue(outs, target, prompt, top_p: float = 1.0, m: int = LAW_TOKENS, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit of the outputs' first m tokens (jointly) to the target's
+    exact law. The cells are chosen from the law alone (those expected at least min_expected times,
+    the others pooled into one), so the statistic is chi-square with cells - 1 degrees of freedom
+    under the law. A sample the law cannot produce fails outright."""
+    law = target_joint_law(str(target), tuple(prompt), m, top_p)
+    V, n = round(len(law) ** (1 / m)), len(outs)
+    assert all(len(o.token_ids) >= m for o in outs)
+    idx = np.zeros(n, dtype=np.int64)
+    for j in range(m):
+        idx = idx * V + np.array([o.token_ids[j] for o in outs])
+    counts = np.bincount(idx, minlength=len(law)).astype(float)
+    if counts[law == 0].sum() > 0:
+        print(f"law check: {int(counts[law == 0].sum())} of {n} samples have probability 0 under the target's law")
+        return 0.0
+    big = law * n >= min_expected
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(law[big], law[~big].sum()) * n
+    if exp[-1] < min_expected:  # too little pooled mass for a cell of its own: fold it into the last one
+        obs, exp = np.append(obs[:-2], obs[-2:].sum()), np.append(exp[:-2], exp[-2:].sum())
+    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    p = float(chi2.sf(stat, df))
+    print(f"law check: chi2 {stat:.1f} on {df} dof, p {p:.3g} ({n} samples, first {m} tokens)")
+    return p
+
+
+def full_rounds(llm, k: int) -> int:
+    """Verify rounds that verified k drafts or more."""
+    return llm.engine.drafter.stats.proposed[k - 1]
+
+
+def first_position_law_verify(target_logits, draft_tokens, num_draft, draft_probs, *args):
+    """A wrong verifier (the law tests must fail on it): position 0's draft law stands in for the
+    draft law at every position, in the acceptance ratio and in the residual."""
+    if draft_probs is not None:
+        draft_probs = draft_probs[:, :1].expand_as(draft_probs)
+    return exact_verify(target_logits, draft_tokens, num_draft, draft_probs, *args)
+
+
+def sampling_law_pvalue(small_vocab, drafter: str, k: int, top_p: float, n: int = 3000, seed: int = 0) -> float:
+    """Speculation with `drafter` ("ngram" or a small_vocab drafter), k drafts a round: the p-value
+    of the output law against the target's, after checking that rounds verifying all k ran."""
+    prompt = NGRAM_PROMPT if drafter == "ngram" else LAW_PROMPT
+    method = "ngram" if drafter == "ngram" else "draft_model"
+    cfg = {"scheduler": LAW_SCHED, "speculative": {"method": method, "num_tokens": k, "schedule": "static"}}
+    if method == "draft_model":
+        cfg["speculative"]["draft_model"] = str(small_vocab[drafter])
+    llm = LLM(small_vocab["target"], config=cfg)
+    spec = llm.generate([prompt] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
+    assert full_rounds(llm, k) >= n / 2, llm.engine.drafter.stats.proposed  # most first rounds verify all k
+    assert sum(o.metrics["num_draft_tokens"] for o in spec) == llm.engine.drafter.stats.summary()["num_draft_tokens"]
+    p = law_pvalue(spec, small_vocab["target"], prompt, top_p)
+    print(f"law p-value {p:.3g} ({drafter}, k={k}, top_p={top_p}, drafts by position "
+          f"{llm.engine.drafter.stats.proposed}, accepted {llm.engine.drafter.stats.accepted})")
+    return p
 
 
 @pytest.mark.parametrize("drafter, k, top_p", [("ngram", 2, 1.0), ("target", 2, 1.0), ("poor", 3, 1.0),
                                                 ("mild", 2, 1.0), ("poor", 2, 0.8)])
 def test_sampling_is_lossless(drafter, k, top_p, small_vocab):
-    n = 3000
-    prompt = [1, 5, 2, 3, 1, 5, 2]
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, ignore_eos=True)
-    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
-    base = LLM(small_vocab["target"], config={"scheduler": sched}).generate([prompt] * n, params)
-    method = "ngram" if drafter == "ngram" else "draft_model"
-    cfg = {"scheduler": sched, "speculative": {"method": method, "num_tokens": k, "schedule": "static"}}
-    if method == "draft_model":
-        cfg["speculative"]["draft_model"] = str(small_vocab[drafter])
-    llm = LLM(small_vocab["target"], config=cfg)
-    spec = llm.generate([prompt] * n, params)
-    stats = llm.engine.drafter.stats.summary()
-    assert stats["num_draft_tokens"] > n / 20  # speculation really ran (at most 1 draft fits before the 3rd token)
-    assert two_sample_pvalue(joint_counts(base), joint_counts(spec)) > 0.001
-    if top_p == 1.0:  # the first token's law is the target's softmax
-        from transformers import AutoModelForCausalLM
+    p = sampling_law_pvalue(small_vocab, drafter, k, top_p)
+    assert p > LAW_P, p
 
-        hf = AutoModelForCausalLM.from_pretrained(str(small_vocab["target"]), dtype=torch.float32)
-        with torch.no_grad():
-            law = hf(torch.tensor([prompt])).logits[0, -1].double().softmax(-1).numpy()
-        first = torch.bincount(torch.tensor([o.token_ids[0] for o in spec]), minlength=8).numpy()
-        keep = law * n >= 5
-        expected = law[keep] / law[keep].sum() * first[keep].sum()
-        assert chisquare(first[keep], expected).pvalue > 0.001
+
+def test_the_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(small_vocab, monkeypatch):
+    """The law check above has the power to see a wrong verifier at positions past the first."""
+    monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
+    p = sampling_law_pvalue(small_vocab, "poor", 3, 1.0)
+    assert p < LAW_P, p
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
@@ -390,22 +469,21 @@ def test_confidence_schedule_is_lossless_with_wrong_confidences(reads, lossless,
     read only the tokens before their own (what a DSpark confidence head reads): the law is the
     target's. The same test catches the mistake of letting a token's own confidence decide whether
     it is verified (DSpark, Appendix A): that law differs."""
-    n = 6000  # the mistake's bias is a few percent of some tokens' mass: enough rounds to see it every time
-    prompt = [1, 5, 2, 3, 1, 5, 2]
-    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)  # 2 drafts fit after the 1st token
-    sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    n = 6000  # the mistake's bias is a few percent of some tokens' mass: enough rounds to see it
+    params = seeded(n, 1000, max_tokens=4)  # 2 drafts fit after the 1st token
     # the flattest target: the law test sees most
-    base = LLM(small_vocab["mild"], config={"scheduler": sched}).generate([prompt] * n, params)
-    cfg = {"scheduler": sched, "speculative": {"method": "draft_model", "num_tokens": 2, "schedule": "confidence",
-                                               "draft_model": str(small_vocab["poor"])}}
+    cfg = {"scheduler": LAW_SCHED, "speculative": {"method": "draft_model", "num_tokens": 2, "schedule": "confidence",
+                                                   "draft_model": str(small_vocab["poor"])}}
     llm = LLM(small_vocab["mild"], config=cfg)
     planner = llm.engine.planner
     planner.step_cost = _FixedCost([1, 512, 4096], [1 + 1 / 512, 2.0, 9.0])
     planner.refit_every = planner.min_rounds = 10**9  # keep the wrong confidences as they are (no STS fit)
     _set_confidences(llm, reads)
-    spec = llm.generate([prompt] * n, params)
+    spec = llm.generate([LAW_PROMPT] * n, params)
     steps = list(llm.engine.step_stats)
     drafted, verified = sum(s["num_drafted"] for s in steps), sum(s["num_verified"] for s in steps)
     assert 0 < verified < drafted / 1.5  # the budget cut many drafts and kept others
-    p = two_sample_pvalue(joint_counts(base), joint_counts(spec))
-    assert (p > 0.001) if lossless else (p < 1e-6), p
+    assert full_rounds(llm, 2) > 0
+    p = law_pvalue(spec, small_vocab["mild"], LAW_PROMPT)
+    print(f"law p-value {p:.3g} (confidences reading {reads})")
+    assert (p > LAW_P) if lossless else (p < 1e-6), p
