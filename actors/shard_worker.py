@@ -70,6 +70,7 @@ class ShardWorker:
         if cfg.workload.hot_experts:
             self.model.set_study_router_bias(cfg.workload.hot_experts, cfg.workload.hot_bias)
         self.migration, self.migration_version = None, None
+        self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
         self._prev_sampled = None
         self._last_return = None
         return self.memory_report()
@@ -82,6 +83,7 @@ class ShardWorker:
             "tp_rank": self.state.tp_rank,
             "param_bytes": total,
             "expert_param_bytes": expert,
+            "expert_staging_bytes": self.peak_staging_bytes,  # peak; 0 until a rebalance stages experts here
             "bytes_read": self.model.bytes_read,
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
@@ -89,10 +91,12 @@ class ShardWorker:
             "node_id": __import__("ray").get_runtime_context().get_node_id(),
         }
 
-    def kv_blocks_that_fit(self, block_size: int, memory_bytes: int, num_kv_blocks) -> int:
+    def kv_blocks_that_fit(self, block_size: int, kv_cache_memory, num_kv_blocks, sharing: int = 1) -> int:
+        """After the weights are loaded: a share of kv_cache_memory is of what they left free on this
+        worker's device (split `sharing` ways between the CPU workers of one host)."""
         from dspark_cluster.kv_cache import plan_num_blocks
 
-        return plan_num_blocks(self.model, block_size, memory_bytes, num_kv_blocks)
+        return plan_num_blocks(self.model, block_size, kv_cache_memory, num_kv_blocks, self.device, sharing)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> int:
         """Allocate the KV pool; returns the bytes one block takes on this rank."""
@@ -125,11 +129,19 @@ class ShardWorker:
             if step_input.commit_placement == self.migration_version:
                 self.migration.commit(self.dispatchers)
                 self.placement = self.migration.new
+                self.peak_staging_bytes = max(self.peak_staging_bytes, self.migration.peak_staged_bytes)
             self.migration = self.migration_version = None
         if step_input.placement_update is not None and self.migration is None:
             self._start_migration(*step_input.placement_update)
-        out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0,
-                           prev_sampled=self._prev_sampled)
+        try:
+            out = execute_step(self.model, step_input, self.device, sample_tokens=self.state.tp_rank == 0,
+                               prev_sampled=self._prev_sampled)
+        finally:
+            # this step's share of the expert transfers, here between two steps on the step thread: every rank
+            # runs the same steps, so all issue them at the same point among the step's collectives (also after
+            # a step that failed past its collectives on this rank only: the other ranks' transfers wait for it)
+            if self.migration is not None:
+                self.migration.advance()
         self._prev_sampled = out.sampled  # the next step's inputs may be these tokens (async scheduling)
         if out.context is not None:
             self._send_context(out.context, step_input.export_to)
@@ -159,12 +171,13 @@ class ShardWorker:
                 self._drafters.pop(name, None)
 
     def _start_migration(self, version: int, phy2log) -> None:
-        """Stage a new expert placement in the background (steps keep using the old one)."""
+        """Plan a new expert placement; its transfers run after this and the next steps (which keep
+        using the old one) until the commit."""
         from dspark_cluster.placement import placement_from_phy2log
         from parallel.migration import Migration
 
         new = placement_from_phy2log(torch.as_tensor(phy2log), self.spec.num_experts, self.world_size)
-        self.migration = Migration(self.state, self.state.migration_group, self.model.moe_layers, self.placement, new)
+        self.migration = Migration(self.state, self.model.moe_layers, self.placement, new)
         self.migration_version = version
 
     def comm_stats(self) -> dict:

@@ -62,8 +62,9 @@ class SamplingParams(BaseModel):
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     """Temperature, top-k and top-p applied per row. logits [B, V] fp32; temperature/top_p [B]
-    float, top_k [B] long (0 = off). Greedy rows (temperature 0) are left unscaled. Returns the
-    processed logits, -inf outside each row's nucleus; softmax of them is the sampling law."""
+    float, top_k [B] long (0 = off), all three on the logits' device (a CPU tensor beside CUDA
+    logits raises). Greedy rows (temperature 0) are left unscaled. Returns the processed logits,
+    -inf outside each row's nucleus; softmax of them is the sampling law."""
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logits = logits / temp[:, None]
     need_k = bool((top_k > 0).any())
@@ -92,15 +93,19 @@ def _noise(shape_row: int, seed: int, position: int, device) -> torch.Tensor:
 
 def sample(logits, temperature, top_k, top_p, seeds, positions):
     """Sample one token per row. logits [B, V] fp32; seeds [B] long (-1 = unseeded); positions [B]
-    long (index of the token being generated, for seeding). Uses the exponential-race form
-    argmax(p / E), E ~ Exp(1), which draws exactly from p. Returns token ids [B] long."""
+    long (index of the token being generated, for seeding); every argument on the logits' device.
+    Uses the exponential-race form argmax(p / E), E ~ Exp(1), which draws exactly from p. Returns
+    token ids [B] long."""
     greedy = temperature == 0
     argmax = logits.argmax(dim=-1)
     if bool(greedy.all()):
         return argmax
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
-    for i in torch.nonzero(seeds >= 0).flatten().tolist():
-        noise[i] = _noise(probs.shape[1], int(seeds[i]), int(positions[i]), probs.device)
+    seeded = torch.nonzero(seeds >= 0).flatten().tolist()
+    if seeded:  # one read of the seeds and positions (on a GPU each element read is a sync)
+        seed_of, pos_of = seeds.tolist(), positions.tolist()
+        for i in seeded:
+            noise[i] = _noise(probs.shape[1], seed_of[i], pos_of[i], probs.device)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, argmax, sampled)

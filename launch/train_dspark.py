@@ -174,8 +174,10 @@ def train_rank(rank: int, args, port: int, data) -> None:
     from dspark_cluster.speculative.dspark_model import (DSparkConfig, DSparkDrafter, block_weights, dspark_loss,
                                                           num_params, save_drafter, tensor_fingerprint)
 
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (and the final barrier) run on this rank's GPU
+    deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)  # the same initial drafter on every rank
     layers = [int(x) for x in args.layers.split(",")]
     teacher = Teacher(args.target, layers)
@@ -212,8 +214,9 @@ def train_rank(rank: int, args, port: int, data) -> None:
         print(f"drafter: {num_params(drafter):,} trainable parameters; {args.ranks} rank(s), DeepSpeed ZeRO-2", flush=True)
     while True:
         progress = max(step / args.steps, (time.time() - t0) / 60 / args.minutes if args.minutes else 0)
-        done = torch.tensor([float(progress >= 1.0)])
-        torch.distributed.all_reduce(done)  # every rank stops at the same step (ZeRO's collectives)
+        # on the group's device (NCCL reduces no CPU tensors); every rank stops at the same step (ZeRO's collectives)
+        done = torch.tensor([float(progress >= 1.0)], device=device)
+        torch.distributed.all_reduce(done)
         if done.item() > 0:
             break
         for g in optimizer.param_groups:

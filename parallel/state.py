@@ -52,7 +52,6 @@ class ParallelState:
     ep_group: object
     tp_ranks: list
     device: torch.device
-    migration_group: object = None  # expert weight migration runs here, beside the step's collectives
     stats: CommStats = field(default_factory=CommStats)
 
 
@@ -79,9 +78,9 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
         group = dist.new_group(ranks)  # every rank creates every group, as torch requires
         if rank in ranks:
             tp_group, tp_ranks = group, ranks
-    migration_group = dist.new_group(list(range(world_size)), backend="gloo" if backend == "gloo" else backend)
+    # no group of its own for expert migration: its transfers run on the step thread between steps, over the
+    # EP group, so they are ordered with the step's collectives (a second communicator could deadlock with NCCL)
     return ParallelState(
-        migration_group=migration_group,
         rank=rank,
         world_size=world_size,
         tp_size=tp_size,

@@ -262,3 +262,95 @@ def test_deepseek_v3_scale_is_fast_and_valid():
         assert not (per_rank[..., 1:] == per_rank[..., :-1]).any()
         assert (count >= 1).all()
         assert (balancedness(load, phy2log, R) > balancedness(load, contiguous(L, E, S), R)).all()
+
+
+# ---------------------------------------------------------------------------------------- migration
+
+class _ExpertTable:
+    """What Migration moves on a rank: an MoE layer's stacked expert weights and their expert ids."""
+
+    def __init__(self, layer: int, expert_ids):
+        self.w13 = torch.stack([_expert_weight(layer, e, (4, 3)) for e in expert_ids])
+        self.w2 = torch.stack([_expert_weight(layer, e, (3, 2)) for e in expert_ids])
+        self.expert_ids = list(expert_ids)
+
+    def set_expert_ids(self, expert_ids):
+        self.expert_ids = list(expert_ids)
+
+
+def _expert_weight(layer: int, expert: int, shape) -> torch.Tensor:
+    return torch.arange(float(torch.Size(shape).numel())).view(shape) + 1000 * layer + 100 * expert
+
+
+def _migration_rank(rank, world, port, old, new, out_dir):
+    """One rank of a gloo world: migrate from `old` to `new` one expert per step (the budget is one
+    byte), as a worker would between its steps, with an all-reduce standing in for each step's
+    collectives; write what it saw."""
+    import torch.distributed as dist
+
+    from dspark_cluster.placement import placement_from_phy2log
+    from parallel.migration import Migration
+    from parallel.state import ParallelState
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        E = int(old.max()) + 1
+        old_p, new_p = placement_from_phy2log(old, E, world), placement_from_phy2log(new, E, world)
+        layers = [_ExpertTable(layer, old_p.rank_experts(layer, rank)) for layer in range(old.shape[0])]
+        before = [(t.w13.clone(), t.w2.clone(), t.w13.data_ptr()) for t in layers]
+        state = ParallelState(rank, world, 1, 0, rank, None, dist.group.WORLD, [rank], torch.device("cpu"))
+
+        class Dispatch:
+            placement = old_p
+
+        d = Dispatch()
+        m = Migration(state, layers, old_p, new_p, bytes_per_step=1)
+        steps = 0
+        while not m.done():
+            x = torch.ones(1)
+            dist.all_reduce(x)  # the step's collectives, then its share of the transfers
+            m.advance()
+            steps += 1
+        unchanged = all(torch.equal(t.w13, b[0]) and torch.equal(t.w2, b[1]) for t, b in zip(layers, before))
+        staged = m.staged_bytes
+        m.commit([d])
+        torch.save({"steps": steps, "plan": len(m.plan), "unchanged_before_commit": unchanged, "staged": staged,
+                    "peak": m.peak_staged_bytes, "sent": m.bytes_sent, "ids": [t.expert_ids for t in layers],
+                    "w13": [t.w13 for t in layers], "w2": [t.w2 for t in layers],
+                    "in_place": all(t.w13.data_ptr() == b[2] for t, b in zip(layers, before)),
+                    "dispatch_new": d.placement is new_p}, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_migration_moves_experts_between_steps_and_stages_only_received_ones(tmp_path):
+    """Three gloo ranks, two slots each, two layers: every rank runs the transfers after its steps
+    (one expert a step), keeps serving the old weights until commit, stages only the experts it
+    receives, and commits in place to exactly the new placement's experts."""
+    import torch.multiprocessing as mp
+
+    from parallel.migration import plan_transfers
+    from parallel.state import free_port
+
+    old = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]])
+    # layer 0: rank 0 swaps its experts locally and rank 2 receives 3; layer 1: transfers both ways
+    new = torch.tensor([[1, 0, 2, 3, 0, 3], [3, 1, 0, 2, 1, 2]])
+    plan = plan_transfers(old, new, 2)
+    world = 3
+    mp.spawn(_migration_rank, args=(world, free_port(), old, new, str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    expert_bytes = (4 * 3 + 3 * 2) * 4
+    for rank, res in enumerate(results):
+        assert res["steps"] == len(plan) == res["plan"]  # one transfer a step, the same steps on every rank
+        assert res["unchanged_before_commit"] and res["in_place"] and res["dispatch_new"]
+        received = sum(1 for _, dst, _, _ in plan if dst // 2 == rank)
+        assert res["staged"] == received * expert_bytes  # only what it receives, not every local expert
+        assert res["peak"] <= 2 * 2 * expert_bytes
+        assert res["sent"] == sum(1 for _, _, src, _ in plan if src == rank) * expert_bytes
+        for layer in range(2):
+            ids = new[layer, 2 * rank : 2 * rank + 2].tolist()
+            assert res["ids"][layer] == ids
+            for i, e in enumerate(ids):
+                assert torch.equal(res["w13"][layer][i], _expert_weight(layer, e, (4, 3)))
+                assert torch.equal(res["w2"][layer][i], _expert_weight(layer, e, (3, 2)))
+    assert all(r["staged"] < 2 * 2 * expert_bytes for r in results)  # fewer than its local experts, on every rank

@@ -174,20 +174,23 @@ class DraftModelProposer:
         drafts = {r.seq_id: [] for r in active}
         probs = {r.seq_id: [] for r in active}
         for step in range(max(r.k for r in active)):
+            dev = logits.device
             if self.decides:
-                temp = torch.tensor([r.temperature for r in active])
-                law = filter_logits(logits, temp, torch.tensor([r.top_k for r in active]),
-                                    torch.tensor([r.top_p for r in active])).softmax(-1)
+                # the per-row parameters live where the logits do (a CPU tensor beside CUDA logits raises)
+                temp = torch.tensor([r.temperature for r in active], device=dev)
+                top_k = torch.tensor([r.top_k for r in active], dtype=torch.long, device=dev)
+                top_p = torch.tensor([r.top_p for r in active], device=dev)
+                law = filter_logits(logits, temp, top_k, top_p).softmax(-1)
                 noise = torch.empty_like(law).exponential_()
                 for i, r in enumerate(active):
                     if r.seed >= 0:
-                        g = _generator(r.seed, r.position + step, 3, law.device)
-                        noise[i] = torch.empty(law.shape[1], device=law.device).exponential_(generator=g)
-                tok = torch.where(temp.to(law.device) == 0, logits.argmax(-1), (law / noise).argmax(-1))
+                        g = _generator(r.seed, r.position + step, 3, dev)
+                        noise[i] = torch.empty(law.shape[1], device=dev).exponential_(generator=g)
+                tok = torch.where(temp == 0, logits.argmax(-1), (law / noise).argmax(-1))
                 for i, r in enumerate(active):
                     probs[r.seq_id].append(law[i])
-            else:
-                tok = torch.empty(len(active), dtype=torch.long)
+            else:  # filled by TP rank 0's broadcast (a device tensor: NCCL moves no CPU tensors)
+                tok = torch.empty(len(active), dtype=torch.long, device=dev)
             if self.tp_size > 1:
                 # Unseeded noise comes from each process's own global RNG, and nothing promises that
                 # all-reduced logits agree to the last bit on every rank; yet the next forward must

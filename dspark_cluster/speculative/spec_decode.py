@@ -42,8 +42,9 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     target_logits [S, K+1, V] fp32 (row s uses positions 0..num_draft[s]); draft_tokens [S, K] long
     (padded); num_draft [S] long; draft_probs [S, K, V] or None (one-hot drafts); temperature,
     top_p [S] float; top_k [S] long; seeds [S] long (-1 unseeded); positions [S] long (output index
-    of the first token produced). Returns (tokens [S, K+1] long, num_tokens [S] long): row s
-    produced tokens[s, :num_tokens[s]], i.e. num_tokens - 1 accepted drafts plus one target token.
+    of the first token produced); every tensor on the target logits' device. Returns (tokens
+    [S, K+1] long, num_tokens [S] long): row s produced tokens[s, :num_tokens[s]], i.e.
+    num_tokens - 1 accepted drafts plus one target token.
     """
     S, K1, V = target_logits.shape
     K = K1 - 1
@@ -67,8 +68,10 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     else:
         q_x = draft_probs.gather(2, drafts[..., None]).squeeze(-1).clamp(min=1e-20)
     u = torch.rand(S, K, device=device)
-    for s in torch.nonzero(seeds >= 0).flatten().tolist():
-        u[s] = torch.rand(K, generator=_generator(int(seeds[s]), int(positions[s]), 1, device), device=device)
+    seeded = torch.nonzero(seeds >= 0).flatten().tolist()
+    seed_of, pos_of = (seeds.tolist(), positions.tolist()) if seeded else ([], [])  # one read (a sync on GPUs)
+    for s in seeded:
+        u[s] = torch.rand(K, generator=_generator(seed_of[s], pos_of[s], 1, device), device=device)
     accept_sampled = (u < p_x / q_x) & valid
 
     accept = torch.where(greedy[:, None], accept_greedy, accept_sampled)
@@ -88,8 +91,9 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     law = torch.where(rejected[:, None], residual, p_next)
     noise = torch.empty_like(law).exponential_()
-    for s in torch.nonzero(seeds >= 0).flatten().tolist():
-        g = _generator(int(seeds[s]), int(positions[s] + num_accepted[s]), 2, device)
+    accepted_of = num_accepted.tolist() if seeded else []
+    for s in seeded:
+        g = _generator(seed_of[s], pos_of[s] + accepted_of[s], 2, device)
         noise[s] = torch.empty(V, device=device).exponential_(generator=g)
     sampled_next = (law / noise).argmax(-1)
     next_token = torch.where(greedy, argmax[rows, num_accepted], sampled_next)
