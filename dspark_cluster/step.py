@@ -14,7 +14,6 @@ import pickle
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import numpy as np
 import torch
 
 from .speculative.records import ContextRows

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
