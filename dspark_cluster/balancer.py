@@ -59,17 +59,14 @@ class ExpertBalancer:
         self._commit_version, self._migration_bytes = None, 0
         self.window.clear()
 
-    # ---- the handshake with the workers, on the step's own data -----------------------------
-    def stamp(self, inputs: list) -> None:
-        """Before a step is submitted (world > 1): on every group's StepInput, the commit the last
-        output made ready and a new placement to start staging (the same on every group: all ranks
-        switch together)."""
+    # ---- the handshake with the workers, on the step's own data ----------------------------
+    def step_fields(self) -> dict:
+        """Before a step is built (world > 1): the commit the last output made ready and a new
+        placement to start staging, the same on every group's StepInput (all ranks switch together)."""
         if self.num_ranks <= 1:
-            return
+            return {}
         commit, self._commit_version = self._commit_version, None
-        update = self.placement_update()
-        for step_in in inputs:
-            step_in.commit_placement, step_in.placement_update = commit, update
+        return {"commit_placement": commit, "placement_update": self.placement_update()}
 
     def read(self, inputs: list, outs: list) -> None:
         """After the step: the load it routed; the commit it ran; a migration every rank has staged

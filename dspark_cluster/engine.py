@@ -288,18 +288,16 @@ class LLMEngine:
             self.speculation.attach(scheds, self.schedulers)
         # the next step may take this one's tokens as inputs only if each row samples one token
         ahead_ok = self._overlap() and not any(s.proposal for sc in scheds for s in sc.scheduled)
+        share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
+        spec_fields = self.speculation.step_fields(scheds) if self.speculation is not None else [{}] * len(scheds)
+        eplb_fields = self.balancer.step_fields() if self.balancer is not None else {}
         inputs = []  # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
         for g, sc in enumerate(scheds):
             prev_rows = None
             if prev is not None:
                 prev_rows = {s.seq.seq_id: i for i, s in enumerate(r for r in prev.scheds[g].scheduled if r.samples)}
-            step_in = build_step_input(sc.scheduled, self.schedulers[g].blocks.block_tables, self.block_size, prev_rows)
-            step_in.share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
-            inputs.append(step_in)
-        if self.speculation is not None:
-            self.speculation.stamp(inputs, scheds)
-        if self.balancer is not None:
-            self.balancer.stamp(inputs)
+            inputs.append(build_step_input(sc.scheduled, self.schedulers[g].blocks.block_tables, self.block_size,
+                                           prev_rows, share_sampled=share_sampled, **spec_fields[g], **eplb_fields))
         t = time.perf_counter()
         handle = self.executor.submit(inputs if self.num_groups > 1 else inputs[0])
         return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok, scheduled_ahead=prev is not None)

@@ -1,6 +1,7 @@
-"""Build a step's `StepInput` from the scheduler's output: token ids, positions, block tables, the
-sampling parameters of the rows that sample, drafts to verify, log-probability requests, and the
-run-time fields the engine's parts stamp (DSpark export, round recording)."""
+"""Build a step's `StepInput` from the scheduler's output, whole, in one call: token ids, positions,
+block tables, the sampling parameters of the rows that sample, drafts to verify, log-probability
+requests, and the run-time fields the engine's parts decide (DSpark export, round recording, the
+expert placement handshake)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from .step import StepInput
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list[int]], block_size: int,
-                     prev_rows: Optional[dict[int, int]] = None) -> StepInput:
-    """prev_rows (async scheduling): seq_id -> its sample row in the step still in flight, whose
-    token is this step's input for that sequence."""
+                     prev_rows: Optional[dict[int, int]] = None, **fields) -> StepInput:
+    """The whole StepInput of one group's step. prev_rows (async scheduling): seq_id -> its sample
+    row in the step still in flight, whose token is this step's input for that sequence. fields: the
+    run-time fields the engine's parts decide (`Speculation.step_fields`, `ExpertBalancer.step_fields`,
+    share_sampled), passed through to the StepInput."""
     input_ids, query_lens, context_lens, tables = [], [], [], []
     rows, temps, ks, ps, seeds, pos_out, lps = [], [], [], [], [], [], []
     drafts, draft_probs = [], []
@@ -79,6 +82,7 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
         **({"prompt_lp_pos": long(plp_pos), "prompt_lp_target": long(plp_target), "prompt_lp_row": long(plp_row),
             "prompt_lp_index": long(plp_index), "prompt_lp_top": plp_top} if plp_pos else {}),
         **_draft_fields(drafts, draft_probs),
+        **fields,
     )
 
 

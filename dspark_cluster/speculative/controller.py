@@ -4,7 +4,7 @@ Per step (`engine.LLMEngine.step` calls these in order):
     poll()                 a restarted drafter group or a published drafter version takes over
     plan(groups)           the confidence schedule sets how many positions the next step drafts
     attach(scheds)         proposals for the rows that reserved draft slots, cut to the verify budget
-    stamp(inputs, scheds)  DSpark: which rows export context to the drafter, which rounds are recorded
+    step_fields(scheds)    DSpark: which rows export context to the drafter, which rounds are recorded
     observe(...)           each row's verify outcome: acceptance stats, the planner's calibration
     free(events)           the drafter forgets finished sequences
 plus the admin operations (status, rollback, resume, the run-time switch) and the summary.
@@ -149,23 +149,25 @@ class Speculation:
             s.draft_confidences = conf
             s.proposal = None if n == 0 else _cut(s.proposal, n)
 
-    def stamp(self, inputs, scheds) -> None:
-        """DSpark: the driver rank exports the target's states of committed tokens to the drafter
-        (-1: a request that does not speculate exports nothing); online calibration: the rounds of
-        requests that let it are recorded."""
+    def step_fields(self, scheds) -> list[dict]:
+        """Per group, the StepInput fields speculation sets: with DSpark, the layers the driver rank
+        exports to the drafter and the sequence ids that own the rows (-1: a request that does not
+        speculate exports nothing); with online calibration, the sample rows whose rounds are recorded."""
         export = self.drafter.export()
-        if export is None:
-            return
-        for step_in, sc in zip(inputs, scheds):
-            if not sc.scheduled:
+        out = []
+        for sc in scheds:
+            if export is None or not sc.scheduled:
+                out.append({})
                 continue
-            step_in.export_layers, step_in.export_to = export
-            step_in.seq_ids = torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
-                                           dtype=torch.long)
+            fields = {"export_layers": export[0], "export_to": export[1],
+                      "seq_ids": torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
+                                              dtype=torch.long)}
             if self.record_rounds:
-                step_in.record_rounds = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
-                                                     dtype=torch.bool)
-                step_in.record_top_logprobs = self.cfg.speculative.calibration.top_logprobs
+                fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
+                                                       dtype=torch.bool)
+                fields["record_top_logprobs"] = self.cfg.speculative.calibration.top_logprobs
+            out.append(fields)
+        return out
 
     # ---- after the step ------------------------------------------------------------------
     def ingest(self, outs) -> None:
