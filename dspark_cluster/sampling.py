@@ -6,6 +6,7 @@ depends only on the request and where it is, not on batch composition, preemptio
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Optional
 
 import torch
@@ -85,27 +86,47 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _noise(shape_row: int, seed: int, position: int, device) -> torch.Tensor:
+# What a seeded draw is for: each (seed, output position, purpose) has its own stream, so a request's
+# draws do not depend on the batch, and no two draws of one request share a stream.
+SAMPLE, ACCEPT, RESIDUAL, DRAFT = 0, 1, 2, 3  # target sampling; verification's uniforms, its residual /
+# bonus token; a drafter's proposal (the draft-model and DSpark proposers)
+
+
+def seeded_generator(seed: int, position: int, purpose: int, device) -> torch.Generator:
+    """The generator for one draw of a seeded request: keyed by a hash of (seed, position, purpose),
+    so distinct keys get unrelated streams. torch's CPU generator keeps only a seed's low 32 bits
+    (CUDA's keeps all 64): the hash mixes every input bit into those too."""
+    key = b"".join(int(v).to_bytes(8, "little", signed=True) for v in (seed, position, purpose))
+    digest = hashlib.blake2b(key, digest_size=8, person=b"dspark-seed").digest()
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
-    return torch.empty(shape_row, device=device).exponential_(generator=g)
+    g.manual_seed(int.from_bytes(digest, "little") & INT64_MAX)
+    return g
+
+
+def race_sample(probs: torch.Tensor, seeds=(), positions=(), purpose: int = SAMPLE) -> torch.Tensor:
+    """One index per row of probs [N, V], drawn exactly from the row: the exponential race
+    argmax(p / E), E ~ Exp(1). seeds, positions: per-row Python ints (seed -1: unseeded; empty: none
+    seeded); a seeded row's noise comes from `seeded_generator(seed, position, purpose)`, unseeded
+    rows' from the global generator. Every tensor lives on probs' device. Returns [N] long."""
+    noise = torch.empty_like(probs).exponential_()
+    for i, seed in enumerate(seeds):
+        if seed >= 0:
+            g = seeded_generator(seed, positions[i], purpose, probs.device)
+            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, positions):
     """Sample one token per row. logits [B, V] fp32; seeds [B] long (-1 = unseeded); positions [B]
     long (index of the token being generated, for seeding); every argument on the logits' device.
-    Uses the exponential-race form argmax(p / E), E ~ Exp(1), which draws exactly from p. Returns
-    token ids [B] long."""
+    Greedy rows (temperature 0) take the argmax; the others `race_sample`. Returns token ids [B] long."""
     greedy = temperature == 0
     argmax = logits.argmax(dim=-1)
     if bool(greedy.all()):
         return argmax
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    seeded = torch.nonzero(seeds >= 0).flatten().tolist()
-    if seeded:  # one read of the seeds and positions (on a GPU each element read is a sync)
-        seed_of, pos_of = seeds.tolist(), positions.tolist()
-        for i in seeded:
-            noise[i] = _noise(probs.shape[1], seed_of[i], pos_of[i], probs.device)
-    sampled = (probs / noise).argmax(dim=-1)
+    any_seeded = bool((seeds >= 0).any())
+    # one read of the seeds and positions (on a GPU each element read is a sync)
+    seed_of, pos_of = (seeds.tolist(), positions.tolist()) if any_seeded else ((), ())
+    sampled = race_sample(probs, seed_of, pos_of, SAMPLE)
     return torch.where(greedy, argmax, sampled)

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark_cluster import LLM, RequestError, SamplingParams
-from dspark_cluster.sampling import filter_logits, sample
+from dspark_cluster.sampling import ACCEPT, DRAFT, RESIDUAL, SAMPLE, filter_logits, race_sample, sample, seeded_generator
 
 from conftest import random_prompts
 
@@ -34,6 +34,41 @@ def test_sampled_law_matches_softmax_with_temperature():
     expected = (logits[0] / 0.7).double().softmax(-1).numpy()
     expected = expected / expected.sum() * n
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def _stream(seed, position, purpose):
+    return torch.rand(8, generator=seeded_generator(seed, position, purpose, "cpu"))
+
+
+def test_seeded_streams_are_keyed_by_seed_position_and_purpose():
+    """One stream per (seed, position, purpose): reproducible, and no two keys share one. The
+    formulas this replaced collided: seed * 1000003 + position (target sampling) was the stream of
+    seed * 1000003 + 0 * 7919 + salt (verification / drafting) for positions 1..3, and torch's CPU
+    generator keeps only a seed's low 32 bits, so seeds 2**32 apart were one stream."""
+    assert torch.equal(_stream(5, 7, SAMPLE), _stream(5, 7, SAMPLE))
+    keys = [(s, p, u) for s in (0, 1, 5, 5 + 2**32, 2**63 - 1) for p in range(6) for u in (SAMPLE, ACCEPT, RESIDUAL, DRAFT)]
+    streams = {tuple(_stream(*key).tolist()) for key in keys}
+    assert len(streams) == len(keys)
+
+
+def test_race_sample_draws_from_the_law_seeded_or_not():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    n = 8000
+    rows = probs.expand(n, 4).contiguous()
+    expected = probs[0].double().numpy()
+    expected = expected / expected.sum() * n
+    torch.manual_seed(3)
+    unseeded = torch.bincount(race_sample(rows), minlength=4).numpy()
+    assert chisquare(unseeded, expected).pvalue > 1e-3
+    seeds, positions = list(range(n)), [4] * n  # one draw per seed: independent across seeds
+    seeded = race_sample(rows, seeds, positions, DRAFT)
+    assert chisquare(torch.bincount(seeded, minlength=4).numpy(), expected).pvalue > 1e-3
+    # a seeded row's draw is its own: the same whatever rides with it, and unseeded rows (-1) do not disturb it
+    mixed = race_sample(rows[:3], [-1, seeds[7], -1], [0, 4, 0], DRAFT)
+    assert mixed[1] == seeded[7]
+    # per position: one seed's draws across positions follow the law too
+    along = race_sample(rows, [11] * n, list(range(n)), SAMPLE)
+    assert chisquare(torch.bincount(along, minlength=4).numpy(), expected).pvalue > 1e-3
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():

@@ -42,16 +42,31 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
+    """The default rope's inverse frequencies [dim / 2], fp32."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+
+
+def rope_cos_sin(positions, inv_freq, scaling: float = 1.0, dtype=None):
+    """positions [..., T] -> cos, sin [..., T, D] as cat(freqs, freqs), times the attention
+    scaling, in `dtype` (None: fp32)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
+
+
 def apply_rope(x, cos, sin, interleave=False):
-    """x [T, H, D]; cos/sin [T, D] as cat(freqs, freqs). Interleaved checkpoints (DeepSeek) pair
-    channels (0,1),(2,3)...; they are de-interleaved first, as transformers does, so q and k share
-    one layout and the dot products are unchanged."""
+    """x [..., T, H, D]; cos/sin [..., T, D] from `rope_cos_sin`. Computed in cos's dtype where it
+    is wider than x's, and returned in x's. Interleaved checkpoints (DeepSeek) pair channels
+    (0,1),(2,3)...; they are de-interleaved first, as transformers does, so q and k share one
+    layout and the dot products are unchanged."""
     if interleave:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
-from .layers import MLP, ColumnParallelLinear, GQAAttention, LocalComm, MLAttention, MoE, RMSNorm
+from .layers import MLP, ColumnParallelLinear, GQAAttention, LocalComm, MLAttention, MoE, RMSNorm, rope_cos_sin
 from .spec import ModelSpec, rope_inv_freq
 
 
@@ -102,9 +102,7 @@ class DecoderModel(nn.Module):
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
     def rope(self, positions, dtype):
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, capture: tuple = ()):
         """input_ids, positions [T] -> hidden states [T, hidden] after the final norm. capture: decoder

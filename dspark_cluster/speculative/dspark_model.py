@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_frequencies
 
 
 @dataclass
@@ -61,33 +62,6 @@ class DSparkConfig:
         return cls(**raw)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rope_cos_sin(positions, head_dim: int, theta: float):
-    """positions [..., T] -> cos, sin [..., T, 1, head_dim] (half-split layout)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    ang = positions[..., None].float() * inv
-    ang = torch.cat([ang, ang], dim=-1)[..., None, :]
-    return ang.cos(), ang.sin()
-
-
-def rope(x, cos_sin):
-    """Rotary embedding of x [..., T, heads, D] with rope_cos_sin's output."""
-    cos, sin = cos_sin
-    D = x.shape[-1]
-    rotated = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
 class DSparkLayer(nn.Module):
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -105,11 +79,15 @@ class DSparkLayer(nn.Module):
         self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
 
+    def rope(self, positions):
+        """cos, sin [..., T, head_dim] in fp32 (the rotation is computed in fp32 whatever the width)."""
+        return rope_cos_sin(positions, rope_frequencies(self.c.head_dim, self.c.rope_theta, positions.device))
+
     def context_kv(self, ctx, positions):
         """Keys/values of fused context rows: ctx [..., T, d], positions [..., T] ->
         k, v [..., T, heads, head_dim] (k normed and rotated)."""
         shape = ctx.shape[:-1] + (self.c.num_heads, self.c.head_dim)
-        k = rope(self.k_norm(self.k_proj(ctx).view(shape)), rope_cos_sin(positions, self.c.head_dim, self.c.rope_theta))
+        k = apply_rope(self.k_norm(self.k_proj(ctx).view(shape)), *self.rope(positions))
         return k, self.v_proj(ctx).view(shape)
 
     def forward(self, x, positions, ctx_k, ctx_v, mask):
@@ -118,9 +96,9 @@ class DSparkLayer(nn.Module):
         B, Q, _ = x.shape
         H, D = self.c.num_heads, self.c.head_dim
         h = self.input_norm(x)
-        cs = rope_cos_sin(positions, D, self.c.rope_theta)
-        q = rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cs)
-        k = rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cs)
+        cos, sin = self.rope(positions)
+        q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
         v = self.v_proj(h).view(B, Q, H, D)
         k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)

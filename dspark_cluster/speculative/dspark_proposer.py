@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..sampling import filter_logits
-from .spec_decode import Proposal, _generator
+from ..sampling import DRAFT, filter_logits, race_sample
+from .spec_decode import Proposal
 from .calibration import RoundRecords, SequenceSample
 from .context import ContextRows
 from .dspark_model import DSparkConfig, load_drafter, target_tables, tensor_fingerprint
@@ -273,13 +273,7 @@ class DSparkProposer:
         K = max(r.k for _, r in active)
         B, V = base.shape[0], base.shape[-1]
         greedy = bool((temp == 0).all())
-        if not greedy:  # the race's noise for every step at once; seeded rows draw theirs by position
-            noise = torch.empty(B, K, V, device=dev).exponential_()
-            for b, (_, r) in enumerate(active):
-                if r.seed >= 0:
-                    for i in range(K):
-                        g = _generator(r.seed, r.position + i, 3, dev)
-                        noise[b, i] = torch.empty(V, device=dev).exponential_(generator=g)
+        seeds = [r.seed for _, r in active]  # seeded rows draw slot i's token by its position
         prev = torch.tensor([r.token_ids[-1] for _, r in active], device=dev)
         tokens, zs, laws, es = [], [], [], []
         for i in range(K):  # left to right through the Markov head only (the backbone ran once)
@@ -289,7 +283,8 @@ class DSparkProposer:
                 tok = z.argmax(-1)
             else:
                 law = filter_logits(z, temp, top_k, top_p).softmax(-1)
-                tok = torch.where(temp == 0, z.argmax(-1), (law / noise[:, i]).argmax(-1))
+                raced = race_sample(law, seeds, [r.position + i for _, r in active], DRAFT)
+                tok = torch.where(temp == 0, z.argmax(-1), raced)
                 laws.append(law)
             tokens.append(tok)
             zs.append(z)

@@ -20,9 +20,9 @@ from ..kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block, plan
 from ..model.attention import build_metadata
 from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
-from ..sampling import filter_logits
+from ..sampling import DRAFT, filter_logits, race_sample
 from .dspark_proposer import DSparkProposer
-from .spec_decode import Proposal, _generator
+from .spec_decode import Proposal
 
 
 @dataclass
@@ -181,12 +181,8 @@ class DraftModelProposer:
                 top_k = torch.tensor([r.top_k for r in active], dtype=torch.long, device=dev)
                 top_p = torch.tensor([r.top_p for r in active], device=dev)
                 law = filter_logits(logits, temp, top_k, top_p).softmax(-1)
-                noise = torch.empty_like(law).exponential_()
-                for i, r in enumerate(active):
-                    if r.seed >= 0:
-                        g = _generator(r.seed, r.position + step, 3, dev)
-                        noise[i] = torch.empty(law.shape[1], device=dev).exponential_(generator=g)
-                tok = torch.where(temp == 0, logits.argmax(-1), (law / noise).argmax(-1))
+                raced = race_sample(law, [r.seed for r in active], [r.position + step for r in active], DRAFT)
+                tok = torch.where(temp == 0, logits.argmax(-1), raced)
                 for i, r in enumerate(active):
                     probs[r.seq_id].append(law[i])
             else:  # filled by TP rank 0's broadcast (a device tensor: NCCL moves no CPU tensors)

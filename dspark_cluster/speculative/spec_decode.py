@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..sampling import filter_logits
+from ..sampling import ACCEPT, RESIDUAL, filter_logits, race_sample, seeded_generator
 
 
 @dataclass
@@ -28,12 +28,6 @@ class Proposal:
     # confidence head; otherwise the draft law's top probability at the position), raw, before calibration;
     # it may read the tokens before its own, never its own token (see verify_budget.py)
     confidences: Optional[torch.Tensor] = None  # [len(tokens)]
-
-
-def _generator(seed: int, position: int, salt: int, device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + position * 7919 + salt) % (2**63 - 1))
-    return g
 
 
 def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p, seeds, positions):
@@ -71,7 +65,7 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     seeded = torch.nonzero(seeds >= 0).flatten().tolist()
     seed_of, pos_of = (seeds.tolist(), positions.tolist()) if seeded else ([], [])  # one read (a sync on GPUs)
     for s in seeded:
-        u[s] = torch.rand(K, generator=_generator(seed_of[s], pos_of[s], 1, device), device=device)
+        u[s] = torch.rand(K, generator=seeded_generator(seed_of[s], pos_of[s], ACCEPT, device), device=device)
     accept_sampled = (u < p_x / q_x) & valid
 
     accept = torch.where(greedy[:, None], accept_greedy, accept_sampled)
@@ -90,12 +84,10 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     law = torch.where(rejected[:, None], residual, p_next)
-    noise = torch.empty_like(law).exponential_()
+    # the residual / bonus draw is at the output index of the token it makes
     accepted_of = num_accepted.tolist() if seeded else []
-    for s in seeded:
-        g = _generator(seed_of[s], pos_of[s] + accepted_of[s], 2, device)
-        noise[s] = torch.empty(V, device=device).exponential_(generator=g)
-    sampled_next = (law / noise).argmax(-1)
+    next_pos = [pos + acc for pos, acc in zip(pos_of, accepted_of)]
+    sampled_next = race_sample(law, seed_of, next_pos, RESIDUAL)
     next_token = torch.where(greedy, argmax[rows, num_accepted], sampled_next)
 
     tokens = torch.cat([drafts, torch.zeros(S, 1, dtype=torch.long, device=device)], dim=1)
