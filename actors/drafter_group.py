@@ -9,16 +9,17 @@ import time
 import uuid
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_cluster.cost import device_kind
-from dspark_cluster.errors import ConfigError, DSparkError
+from dspark_cluster.errors import ConfigError
 from dspark_cluster.speculative.proposers import DraftRequest
-from dspark_cluster.speculative.spec_decode import Proposal
+from dspark_cluster.speculative.records import Proposal
 
 from .calibrator import Calibrator
+from .calls import unwrap
 from .drafter import Drafter
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,11 @@ class RayDrafterGroup:
                 ready, pending = ray.wait(pending, num_returns=1, timeout=left)
                 ray.get(ready)
             return ray.get(refs)
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, DSparkError):
-                raise cause from None
-            raise
+        except RayError as e:
+            err = unwrap(e)
+            if err is e:
+                raise
+            raise err from None
 
     def _split(self, items, key):
         """items of each TP group, by sequence id (every rank of a group gets the same ones)."""

@@ -19,7 +19,7 @@ from typing import Optional
 
 from .kv_cache import BlockManager
 from .sequence import Sequence, SeqStatus
-from .speculative.spec_decode import Proposal
+from .speculative.records import Proposal
 
 
 @dataclass

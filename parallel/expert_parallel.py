@@ -12,13 +12,15 @@ Per MoE layer, on every rank (gating already ran on every rank over the full tok
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from dspark_cluster.model.layers import run_experts
-from dspark_cluster.placement import ExpertPlacement
-
 from .state import ParallelState
+
+if TYPE_CHECKING:  # parallel/ never imports the core at run time: the core hands its objects in
+    from dspark_cluster.placement import ExpertPlacement
 
 
 def _all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -32,7 +34,7 @@ def _all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], r
 class ExpertParallelDispatch:
     """Callable installed as `MoE.dispatch` for MoE layer `layer` of the placement."""
 
-    def __init__(self, state: ParallelState, placement: ExpertPlacement, layer: int):
+    def __init__(self, state: ParallelState, placement: "ExpertPlacement", layer: int):
         self.state = state
         self.placement = placement
         self.layer = layer
@@ -54,7 +56,7 @@ class ExpertParallelDispatch:
         send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
         recv_x = _all_to_all(st, x[token_of[order]], send_counts, recv_counts)
         recv_slot = _all_to_all(st, (slots[order] % spr), send_counts, recv_counts)
-        ys, moe.last_slot_load = run_experts(recv_x, recv_slot, moe.w13, moe.w2)
+        ys, moe.last_slot_load = moe.run_local(recv_x, recv_slot)
         back = _all_to_all(st, ys, recv_counts, send_counts)  # outputs return to their senders
         w = weights[lo:hi].flatten()[order].to(back.dtype)
         part = torch.zeros(chunk, x.shape[1], dtype=x.dtype, device=x.device)

@@ -15,13 +15,15 @@ at a step boundary once every rank has finished (the router sends the commit in 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dspark_cluster.placement import ExpertPlacement
-
 from .state import ParallelState
+
+if TYPE_CHECKING:  # parallel/ never imports the core at run time: the core hands its objects in
+    from dspark_cluster.placement import ExpertPlacement
 
 # the experts' bytes (over all ranks) one step's transfers move at most (at least one expert a step)
 MIGRATION_BYTES_PER_STEP = 256 * 2**20
@@ -56,7 +58,7 @@ class Migration:
     """One placement change on one rank. `advance()` after each step (every rank, the same steps)
     runs that step's share of the transfers; `done()` once all have run; `commit()` switches."""
 
-    def __init__(self, state: ParallelState, moe_layers, old: ExpertPlacement, new: ExpertPlacement, group=None,
+    def __init__(self, state: ParallelState, moe_layers, old: "ExpertPlacement", new: "ExpertPlacement", group=None,
                  bytes_per_step: int = MIGRATION_BYTES_PER_STEP):
         if old.slots_per_rank != new.slots_per_rank:
             raise ValueError(f"a migration keeps the slots per rank: {old.slots_per_rank} -> {new.slots_per_rank}")

@@ -11,8 +11,9 @@ import torch
 from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.config import ASSETS_DIR
 from dspark_cluster.errors import ConfigError, RequestError
-from dspark_cluster.speculative.calibration import (Candidate, DrafterVersions, ReplayBuffer, RoundRecords,
-                                                    SequenceSample, filter_sample, topk_law_distances)
+from dspark_cluster.speculative.calibration import (Candidate, DrafterVersions, ReplayBuffer, SequenceSample,
+                                                    filter_sample, topk_law_distances)
+from dspark_cluster.speculative.records import RoundRecords
 
 from conftest import build_dspark, random_prompts
 from test_speculative import small_vocab  # noqa: F401 -- fixture

@@ -286,7 +286,7 @@ def test_draft_model_proposer_samples_its_drafts_on_the_device(checkpoint, temps
 @pytest.mark.parametrize("temps", [(0.8, 0.0, 1.0), (0.0, 0.0, 0.0)], ids=["sampled", "greedy"])
 def test_dspark_proposer_samples_its_drafts_on_the_device(checkpoint, tmp_path_factory, temps):
     from dspark_cluster.model.spec import load_spec
-    from dspark_cluster.speculative.context import ContextRows
+    from dspark_cluster.speculative.records import ContextRows
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer
 
     target = checkpoint("qwen3_moe")

@@ -43,7 +43,7 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
     masked training forward at the same anchor (RoPE positions, masks and Markov bias included)."""
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.proposers import DraftRequest
-    from dspark_cluster.speculative.context import ContextRows
+    from dspark_cluster.speculative.records import ContextRows
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer
 
     target = checkpoint("qwen3_moe")
@@ -259,7 +259,7 @@ def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, 
 
 def test_context_rows_split_by_owner():
     """Each drafter group gets its sequences' rows, in order (seq_id % groups)."""
-    from dspark_cluster.speculative.context import ContextRows
+    from dspark_cluster.speculative.records import ContextRows
 
     rows = ContextRows(torch.tensor([3, 4, 5, 6]), torch.tensor([0, 2, 4, 1]), torch.tensor([2, 1, 3, 2]),
                        torch.arange(8.0)[:, None].repeat(1, 2))

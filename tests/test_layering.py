@@ -1,5 +1,6 @@
-"""The layering: the core never imports the Ray side (import-linter's contracts in pyproject.toml),
-and no import cycle among the project's modules, counting imports inside functions."""
+"""The layering: the core never imports the Ray side, parallel/ never imports the core (import-linter's
+contracts in pyproject.toml), no import cycle among the project's modules (counting imports inside
+functions) nor between the packages, and the step contract is a leaf."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_import_contracts_hold():
     res = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                           "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "2 kept, 0 broken" in res.stdout, res.stdout
+    assert "3 kept, 0 broken" in res.stdout, res.stdout
 
 
 def import_cycles(graph) -> list[list[str]]:
@@ -102,3 +103,13 @@ def test_the_backend_registry_is_its_own_module():
     assert graph.find_modules_directly_imported_by("dspark_cluster.backends") == set()
     for module in ("dspark_cluster.speculative.drafting", "dspark_cluster.runner"):
         assert "dspark_cluster.executor" not in graph.find_modules_directly_imported_by(module), module
+
+
+def test_no_cycle_between_the_packages():
+    """The core imports parallel/ (the torch.distributed layer) and is imported by actors/; never the
+    other way (type annotations aside)."""
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+    imports = {(a.split(".")[0], b.split(".")[0]) for a in graph.modules if a.split(".")[0] in PACKAGES
+               for b in graph.find_modules_directly_imported_by(a) if b.split(".")[0] in PACKAGES}
+    assert ("parallel", "dspark_cluster") not in imports and ("parallel", "actors") not in imports
+    assert ("dspark_cluster", "actors") not in imports

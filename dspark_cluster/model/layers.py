@@ -321,6 +321,11 @@ class MoE(nn.Module):
         local[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(len(self.expert_ids))
         self.local_ids = local.to(self.local_ids.device)
 
+    def run_local(self, xs, slots):
+        """xs [N, H] rows for this shard's slots [N] -> (unweighted expert outputs [N, H], rows per
+        slot); what an expert-parallel dispatcher calls once the rows have reached their rank."""
+        return run_experts(xs, slots, self.w13, self.w2)
+
     def forward(self, x):
         logits = F.linear(x.float(), self.gate.weight.float()) + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))
@@ -329,7 +334,7 @@ class MoE(nn.Module):
             routed = self.dispatch(self, x, ids, weights)
         else:  # every expert is local
             token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
-            ys, self.last_slot_load = run_experts(x[token_of], self.local_ids[ids.flatten()], self.w13, self.w2)
+            ys, self.last_slot_load = self.run_local(x[token_of], self.local_ids[ids.flatten()])
             routed = torch.zeros_like(x).index_add_(0, token_of, ys * weights.flatten()[:, None].to(ys.dtype))
         if self.spec.shared_intermediate_size:
             shared = self.comm.all_reduce(self.shared(x))

@@ -21,7 +21,7 @@ import torch
 
 from .drafting import Drafter
 from .proposers import DraftRequest
-from .spec_decode import Proposal
+from .records import Proposal
 from ..step_builder import profile_input
 from .verify_budget import StepCost, VerifyPlanner
 

@@ -35,7 +35,7 @@ from ..backends import backend
 from .calibration import CalibrationLoop, Calibrator, DrafterVersions
 from .dspark_model import DSparkConfig
 from .proposers import DraftRequest, make_proposer
-from .spec_decode import Proposal
+from .records import Proposal
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import DRAFT, filter_logits, race_sample
-from .spec_decode import Proposal
-from .calibration import RoundRecords, SequenceSample
-from .context import ContextRows
+from .records import Proposal
+from .calibration import SequenceSample
+from .records import ContextRows, RoundRecords
 from .dspark_model import DSparkConfig, load_drafter, target_tables, tensor_fingerprint
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two

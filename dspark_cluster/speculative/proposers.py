@@ -22,7 +22,7 @@ from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
 from ..sampling import DRAFT, filter_logits, race_sample
 from .dspark_proposer import DSparkProposer
-from .spec_decode import Proposal
+from .records import Proposal
 
 
 @dataclass

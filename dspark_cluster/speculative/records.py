@@ -1,7 +1,7 @@
-"""The speculative records that cross process boundaries inside a step: what the target's workers
-export to a DSpark drafter (`ContextRows`) and the verify rounds recorded for online calibration
-(`RoundRecords`). Plain data over torch: the step contract (`step.py`) carries them, so this module
-imports nothing of the engine, the scheduler or the trainer."""
+"""The speculative records that cross process boundaries: what the target's workers export to a
+DSpark drafter (`ContextRows`), the verify rounds recorded for online calibration (`RoundRecords`),
+and a drafter's proposal for one sequence (`Proposal`). Plain data over torch: the step contract
+(`step.py`) carries them, so this module imports nothing of the engine, the scheduler or the trainer."""
 
 from __future__ import annotations
 
@@ -111,3 +111,16 @@ class ContextRows:
         for sid, start, n in zip(self.seq_ids.tolist(), self.starts.tolist(), self.counts.tolist()):
             yield sid, start, self.hidden[offset : offset + n]
             offset += n
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence, with the draft law at each position (None: the tokens were
+    proposed deterministically, i.e. q is one-hot at each token, as for n-gram lookup)."""
+
+    tokens: list[int]
+    probs: Optional[torch.Tensor] = None  # [len(tokens), vocab]
+    # the drafter's confidence that each token is accepted given the one before it was (DSpark's
+    # confidence head; otherwise the draft law's top probability at the position), raw, before calibration;
+    # it may read the tokens before its own, never its own token (see verify_budget.py)
+    confidences: Optional[torch.Tensor] = None  # [len(tokens)]

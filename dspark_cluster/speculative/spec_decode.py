@@ -9,25 +9,9 @@ top-p are applied to p and q alike (`filter_logits`), so the output law is the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from ..sampling import ACCEPT, RESIDUAL, filter_logits, race_sample, seeded_generator
-
-
-@dataclass
-class Proposal:
-    """Draft tokens for one sequence, with the draft law at each position (None: the tokens were
-    proposed deterministically, i.e. q is one-hot at each token, as for n-gram lookup)."""
-
-    tokens: list[int]
-    probs: Optional[torch.Tensor] = None  # [len(tokens), vocab]
-    # the drafter's confidence that each token is accepted given the one before it was (DSpark's
-    # confidence head; otherwise the draft law's top probability at the position), raw, before calibration;
-    # it may read the tokens before its own, never its own token (see verify_budget.py)
-    confidences: Optional[torch.Tensor] = None  # [len(tokens)]
 
 
 def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p, seeds, positions):
