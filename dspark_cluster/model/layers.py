@@ -42,11 +42,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
-    """The default rope's inverse frequencies [dim / 2], fp32."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-
-
 def rope_cos_sin(positions, inv_freq, scaling: float = 1.0, dtype=None):
     """positions [..., T] -> cos, sin [..., T, D] as cat(freqs, freqs), times the attention
     scaling, in `dtype` (None: fp32)."""

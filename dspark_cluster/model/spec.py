@@ -269,15 +269,18 @@ def load_spec(path, dtype: str = "auto") -> ModelSpec:
     return ModelSpec(**common, **extra, moe_layers=(False,) * L)
 
 
+def rope_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
+    """The default rope's inverse frequencies [dim / 2], fp32 (the target's and the DSpark drafter's)."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+
+
 def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, computed by transformers for any rope type."""
     hf = spec.hf_config
     params = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        dim = spec.rope_dim
-        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv, 1.0
+        return rope_frequencies(spec.rope_dim, params["rope_theta"]), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
-from ..model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_frequencies
+from ..model.layers import RMSNorm, apply_rope, rope_cos_sin
+from ..model.spec import rope_frequencies
 
 
 @dataclass
