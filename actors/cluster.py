@@ -21,8 +21,12 @@ import torch
 from dspark_cluster.config import Config
 from dspark_cluster.cost import device_kind
 from dspark_cluster.errors import CheckpointError, ConfigError, DSparkError, WorkerError
+from dspark_cluster.executor import target_device_report
 from dspark_cluster.model.spec import ModelSpec
 from dspark_cluster.step import StepInput, from_wire, to_wire
+from dspark_cluster.worker import WorkerConfig
+
+from .calls import ray_get, remote_error
 
 
 log = logging.getLogger(__name__)
@@ -153,6 +157,7 @@ class Cluster:
                     f"group(s) of {tp} {device} worker(s) could not be placed on one node within 120 s (node totals "
                     f"{free}; available now {ray.available_resources()}); other jobs may hold the devices")
             actor_cls = ray.remote(ShardWorker)
+            worker_cfg = WorkerConfig.of(cfg)  # what a worker needs of the config, validated here once
             for rank in range(world):
                 pg = self.placement_groups[rank // tp]
                 self.workers.append(
@@ -162,19 +167,16 @@ class Cluster:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=pg, placement_group_bundle_index=rank % tp
                         ),
-                    ).remote(cfg.to_dict(), rank, world, threads)
+                    ).remote(worker_cfg, spec, rank, world, threads)
                 )
             addr, port = ray.get(self.workers[0].node_address.remote())
             self.reports = self._get([w.setup.remote(addr, port, device) for w in self.workers])
-            sc = cfg.scheduler
             # CPU workers of one host share its memory: a share of it is split between them
             per_node = Counter(r["node_id"] for r in self.reports)
             sharing = [per_node[r["node_id"]] if device != "cuda" else 1 for r in self.reports]
-            fits = self._get([w.kv_blocks_that_fit.remote(sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks, n)
-                              for w, n in zip(self.workers, sharing)])
+            fits = self._get([w.kv_blocks_that_fit.remote(n) for w, n in zip(self.workers, sharing)])
             self.num_blocks = min(fits)
-            self.kv_bytes_per_block = self._get([w.allocate_kv.remote(self.num_blocks, sc.block_size)
-                                                 for w in self.workers])
+            self.kv_bytes_per_block = self._get([w.allocate_kv.remote(self.num_blocks) for w in self.workers])
             nodes = {n for pg in self.placement_groups
                      for n in placement_group_table(pg)["bundles_to_node_id"].values()}
             self.compiled = compiled_graph_wanted(cfg.parallel.compiled_graph, nodes, here)
@@ -187,40 +189,28 @@ class Cluster:
 
     def _get(self, refs, timeout=None):
         """ray.get that surfaces a worker's own exception (CheckpointError, ...) unwrapped."""
-        from ray.exceptions import RayActorError, RayTaskError
-
-        try:
-            return self._ray.get(refs, timeout=timeout)
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, DSparkError):
-                raise cause from None
-            raise CheckpointError(f"a shard worker failed: {e}") from None
-        except RayActorError as e:
-            raise DSparkError(f"a shard worker died: {e}") from None
+        return ray_get(refs, timeout, failed=lambda e: CheckpointError(f"a shard worker failed: {e}"),
+                       lost=lambda e: DSparkError(f"a shard worker died: {e}"))
 
     def _read(self, ref):
         """A round's outputs. A worker's own exception (raised while running this step's input)
         is raised as itself: the engine fails that step's requests and goes on. A lost worker (dead
         actor or node, closed channel, a round past parallel.step_timeout_s) raises WorkerError:
         the engine restarts the workers."""
-        from ray.exceptions import GetTimeoutError, RayTaskError
+        from ray.exceptions import GetTimeoutError
 
         timeout = self.cfg.parallel.step_timeout_s
         try:
             out = self._ray.get(ref, timeout=timeout)
             self._unread.remove(ref)
             return out
-        except RayTaskError as e:
-            self._unread.remove(ref)
-            cause = e.as_instanceof_cause()
-            if self._all_alive():
-                raise cause from None
-            raise WorkerError("a target worker was lost during a step") from e
         except GetTimeoutError as e:
             raise WorkerError(f"a step took longer than parallel.step_timeout_s ({timeout:g} s)") from e
-        except Exception as e:  # noqa: BLE001 -- dead actor, closed channel, a lost node
+        except Exception as e:  # noqa: BLE001 -- the step's own error; or a dead actor, closed channel, lost node
             self._unread.remove(ref)
+            cause = remote_error(e)
+            if cause is not None and self._all_alive():
+                raise cause from None
             raise WorkerError("a target worker was lost during a step") from e
 
     def _wait_dead(self, timeout_s: float) -> None:
@@ -332,11 +322,14 @@ class Cluster:
 
     def device_reports(self) -> list[dict]:
         """One dict per worker: role, rank, kind, memory by kind (cost.cost_ledger's devices), the
-        data-parallel group its KV pool serves and the bytes of one KV block there."""
+        data-parallel group its KV pool serves, the bytes of one KV block there and the most expert
+        staging it held. The workers' memory reports are read again (a rebalance since setup stages
+        experts); the last ones read stand in for a worker that cannot answer."""
+        with contextlib.suppress(DSparkError):
+            self.reports = self._get([w.memory_report.remote() for w in self.workers],
+                                     timeout=self.cfg.parallel.step_timeout_s)
         kind = device_kind(self.device)
-        return [{"role": "target", "rank": r["rank"], "kind": kind, "group": r["rank"] // self.cfg.parallel.tensor,
-                 "kv_bytes_per_block": per_block, "expert_bytes": r["expert_param_bytes"],
-                 "memory": {"weights": r["param_bytes"], "kv_pool": per_block * self.num_blocks}}
+        return [target_device_report(r, kind, r["rank"] // self.cfg.parallel.tensor, per_block, self.num_blocks)
                 for r, per_block in zip(self.reports, self.kv_bytes_per_block)]
 
     def comm_stats(self) -> list[dict]:
@@ -384,20 +377,6 @@ class Cluster:
                 pass
         self.workers, self.placement_groups = [], []
         time.sleep(0)  # actors die asynchronously; their resources return shortly
-
-
-def ray_get(refs, timeout=None):
-    """ray.get that re-raises this package's errors (RequestError, ConfigError, ...) as themselves."""
-    import ray
-    from ray.exceptions import RayTaskError
-
-    try:
-        return ray.get(refs, timeout=timeout)
-    except RayTaskError as e:
-        cause = e.as_instanceof_cause()
-        if isinstance(cause, DSparkError):
-            raise cause from None
-        raise
 
 
 def start_router(cfg: Config):

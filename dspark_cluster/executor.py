@@ -27,11 +27,9 @@ import torch
 from .backends import backend
 from .config import Config
 from .cost import device_kind
-from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
-from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepInput, StepOutput
-from .step_exec import execute_step
+from .worker import Worker, WorkerConfig
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -40,7 +38,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LocalExecutor:
-    """`executor: local`: the whole model on one device in this process."""
+    """`executor: local`: the whole model on one device in this process, one `worker.Worker`."""
 
     transport = "in_process"  # how a step reaches the model (Cluster: compiled_graph or actor_calls)
     last_wire_s = 0.0  # nothing is pickled in process
@@ -49,32 +47,27 @@ class LocalExecutor:
     def __init__(self, cfg: Config, spec: ModelSpec):
         if cfg.parallel.threads_per_worker:
             torch.set_num_threads(cfg.parallel.threads_per_worker)
-        self.cfg = cfg
         self.device = resolve_device(cfg.parallel.device)
-        self.model = load_model(cfg.model.path, spec, device=self.device)
-        sc = cfg.scheduler
-        self.num_blocks = plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks,
-                                         self.device)
-        allocate_kv_cache(self.model, self.num_blocks, sc.block_size, self.device)
-        self._prev_sampled = None
+        self.worker = Worker(WorkerConfig.of(cfg), spec, self.device)
+        self.num_blocks = self.worker.kv_blocks_that_fit()
+        self.kv_bytes_per_block = self.worker.allocate_kv(self.num_blocks)
+
+    @property
+    def model(self):
+        return self.worker.model if self.worker is not None else None
 
     def submit(self, step: StepInput) -> StepOutput:
         """Run the step now (in process there is nothing to overlap); `wait` hands back its output."""
-        out = execute_step(self.model, step, self.device, prev_sampled=self._prev_sampled)
-        self._prev_sampled = out.sampled
-        return out
+        return self.worker.execute(step)
 
     def wait(self, handle: StepOutput) -> StepOutput:
         return handle
 
     def device_reports(self) -> list[dict]:
-        """This process's device, as Cluster.device_reports gives each worker's."""
-        per_block = kv_bytes_per_block(self.model, self.cfg.scheduler.block_size)
-        expert = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n.endswith((".w13", ".w2")))
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return [{"role": "target", "rank": 0, "kind": device_kind(self.device.type), "group": 0,
-                 "kv_bytes_per_block": per_block, "expert_bytes": expert,
-                 "memory": {"weights": weights, "kv_pool": per_block * self.num_blocks}}]
+        """This process's device, as Cluster.device_reports gives each worker's (one device never
+        migrates experts: no staging)."""
+        return [target_device_report(self.worker.memory_report(), device_kind(self.device.type), 0,
+                                     self.kv_bytes_per_block, self.num_blocks)]
 
     def comm_stats(self) -> list[dict]:
         return []  # one device: no collectives
@@ -83,7 +76,17 @@ class LocalExecutor:
         return self.wait(self.submit(step))
 
     def shutdown(self) -> None:
-        self.model = None
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.worker = None
+
+
+def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block: int, num_blocks: int) -> dict:
+    """The cost ledger's device (cost.CostMeter.devices) of a target worker's memory report."""
+    return {"role": "target", "rank": report["rank"], "kind": kind, "group": group,
+            "kv_bytes_per_block": kv_bytes_per_block, "expert_bytes": report["expert_param_bytes"],
+            "expert_staging_bytes": report["expert_staging_bytes"],
+            "memory": {"weights": report["param_bytes"], "kv_pool": kv_bytes_per_block * num_blocks}}
 
 
 def make_executor(cfg: Config, spec: ModelSpec):

@@ -68,16 +68,16 @@ def test_a_lost_worker_restarts_the_executor_and_outputs_do_not_change(checkpoin
     prompts = random_prompts([7, 12, 5, 9, 15, 4], seed=3)
     base = [o.token_ids for o in LLM(path, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
     calls = fail_at(monkeypatch, {9, 17}, lambda step: WorkerError("test: worker lost"))
-    import dspark_cluster.engine as engine_mod
+    import dspark_cluster.recovery as recovery_mod  # where the engine restarts its workers
 
-    seen, make = [], engine_mod.make_executor
+    seen, make = [], recovery_mod.make_executor
 
     def make_executor(cfg, spec):  # what /health would say while the new workers start
         seen.append(engine.state())
         return make(cfg, spec)
 
     engine = AsyncEngine(local_cfg(path, scheduler={"max_num_seqs": 4}))
-    monkeypatch.setattr(engine_mod, "make_executor", make_executor)
+    monkeypatch.setattr(recovery_mod, "make_executor", make_executor)
     try:
         outs = run_all(engine, prompts, GREEDY)
         assert outs == base

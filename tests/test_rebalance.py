@@ -73,5 +73,14 @@ def test_live_rebalance_changes_no_output_and_loses_no_request(checkpoint, ray_c
         assert all(e["bytes_moved"] > 0 for e in summary["rebalances"])
         # after the last commit the workers route through the new placement: run more and compare again
         assert [o.token_ids for o in llm.generate(prompts, params)] == base
+        # a run's cost ledger holds what each rank staged (the workers' memory reports, read again)
+        from dspark_cluster.workload import WorkloadRequest
+
+        run = ray.get(llm.router.run_workload.remote([WorkloadRequest(0.0, p, params) for p in prompts[:2]]),
+                      timeout=300)
+        staged = [d["expert_staging"] for d in run["cost"]["memory"]["per_device"] if d["role"] == "target"]
+        assert len(staged) == 2 and all(s >= 0 for s in staged) and any(s > 0 for s in staged)
+        reports = ray.get(llm.router.worker_reports.remote())
+        assert [r["expert_staging_bytes"] for r in reports] == staged
     finally:
         llm.shutdown()

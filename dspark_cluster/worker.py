@@ -1,0 +1,175 @@
+"""The target's worker: one shard of the model on one device, and what it does with each step.
+
+One class for both executors: `executor.LocalExecutor` hosts one `Worker` in process (rank 0 of a
+world of one), and on Ray each `actors.shard_worker.ShardWorker` hosts one (the actor owns the
+device and the process group, and sends the DSpark context rows to the drafters). A worker is set
+up from a `WorkerConfig` (the model, parallel and scheduler sections, the redundant expert slots
+and the hot-spot study's router bias: not the workload section or the prices) and the `ModelSpec`
+the engine already read, so no worker re-reads or re-validates the whole config.
+
+    Worker(cfg, spec, device, rank, world_size, state, phy2log)  load the shard and its expert slots
+    kv_blocks_that_fit(sharing) -> int   KV blocks this device can hold (after the weights)
+    allocate_kv(num_blocks) -> int       allocate the pool; the bytes of one block here
+    execute(step) -> StepOutput          one step (this rank's group's, for a list), with the expert
+                                         migration's advance / commit and the previous step's tokens
+    memory_report() -> dict              what this rank holds
+    comm_stats() -> dict                 bytes sent per collective kind
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
+from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
+from .model.loader import load_model
+from .model.spec import ModelSpec
+from .step import StepOutput
+from .step_exec import execute_step
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a target worker needs of the config (validated once, in the engine's process)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    scheduler: SchedulerConfig
+    num_redundant_experts: int = 0  # eplb.num_redundant_experts
+    hot_experts: tuple = field(default_factory=tuple)  # workload.hot_experts (a hot-spot study's router bias)
+    hot_bias: float = 0.0  # workload.hot_bias
+
+    @classmethod
+    def of(cls, cfg: Config) -> "WorkerConfig":
+        return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
+                   num_redundant_experts=cfg.eplb.num_redundant_experts,
+                   hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias)
+
+
+def _param_bytes(model) -> tuple[int, int]:
+    """(every parameter and persistent buffer, the expert weights) in bytes."""
+    expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith((".w13", ".w2")))
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return total, expert
+
+
+class Worker:
+    """One shard of the target model. `state`: this rank's process groups (parallel.state), None
+    in process (a world of one); `phy2log`: the expert placement to load (None: the default one)."""
+
+    def __init__(self, cfg: WorkerConfig, spec: ModelSpec, device, rank: int = 0, world_size: int = 1,
+                 state=None, phy2log=None):
+        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.rank, self.world_size, self.state = rank, world_size, state
+        self.tp_rank = state.tp_rank if state is not None else 0
+        self.dp_rank = state.dp_rank if state is not None else 0
+        comm = None
+        if state is not None:
+            from parallel.comm import TensorParallelComm
+
+            comm = TensorParallelComm(state)
+        self.placement, expert_ids = None, None
+        if spec.is_moe and world_size > 1:
+            from .placement import default_placement, placement_from_phy2log
+
+            num_moe = sum(spec.moe_layers)
+            if phy2log is not None:
+                self.placement = placement_from_phy2log(torch.as_tensor(phy2log), spec.num_experts, world_size)
+            else:
+                self.placement = default_placement(num_moe, spec.num_experts, world_size, cfg.num_redundant_experts)
+            expert_ids = [self.placement.rank_experts(layer, rank) for layer in range(num_moe)]
+        self.model = load_model(cfg.model.path, spec, comm, expert_ids, device=self.device)
+        self.dispatchers = []
+        if expert_ids is not None:
+            from parallel.expert_parallel import ExpertParallelDispatch
+
+            for layer, moe in enumerate(self.model.moe_layers):
+                moe.dispatch = ExpertParallelDispatch(state, self.placement, layer)
+                self.dispatchers.append(moe.dispatch)
+        if cfg.hot_experts:
+            self.model.set_study_router_bias(cfg.hot_experts, cfg.hot_bias)
+        self.num_blocks = 0
+        self.migration, self.migration_version = None, None
+        self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
+        self._prev_sampled: Optional[torch.Tensor] = None
+
+    # -- KV --------------------------------------------------------------------------------------
+
+    def kv_blocks_that_fit(self, sharing: int = 1) -> int:
+        """After the weights are loaded: a share of kv_cache_memory is of what they left free on this
+        worker's device (split `sharing` ways between the CPU workers of one host)."""
+        sc = self.cfg.scheduler
+        return plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks, self.device, sharing)
+
+    def allocate_kv(self, num_blocks: int) -> int:
+        """Allocate the KV pool; returns the bytes one block takes on this rank."""
+        block_size = self.cfg.scheduler.block_size
+        allocate_kv_cache(self.model, num_blocks, block_size, self.device)
+        self.num_blocks = num_blocks
+        return kv_bytes_per_block(self.model, block_size)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def execute(self, step) -> StepOutput:
+        """One step: a StepInput, or one per data-parallel group (this rank runs its group's).
+        The driver rank (TP rank 0) samples; every rank returns its expert load. A placement the
+        step commits is swapped in before it runs; a new one starts migrating, its transfers run
+        after this and the next steps until the engine commits it."""
+        if isinstance(step, list):
+            step = step[self.dp_rank]
+        if step.commit_placement is not None and self.migration is not None:
+            if step.commit_placement == self.migration_version:
+                self.migration.commit(self.dispatchers)
+                self.placement = self.migration.new
+                self.peak_staging_bytes = max(self.peak_staging_bytes, self.migration.peak_staged_bytes)
+            self.migration = self.migration_version = None
+        if step.placement_update is not None and self.migration is None and self.placement is not None:
+            self._start_migration(*step.placement_update)
+        try:
+            out = execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
+                               prev_sampled=self._prev_sampled)
+        finally:
+            # this step's share of the expert transfers, here between two steps on the step thread: every rank
+            # runs the same steps, so all issue them at the same point among the step's collectives (also after
+            # a step that failed past its collectives on this rank only: the other ranks' transfers wait for it)
+            if self.migration is not None:
+                self.migration.advance()
+        self._prev_sampled = out.sampled  # the next step's inputs may be these tokens (async scheduling)
+        if self.migration is not None:
+            out.migration_ready = self.migration.done()
+            out.migration_bytes = self.migration.bytes_sent
+        return out
+
+    def _start_migration(self, version: int, phy2log) -> None:
+        from parallel.migration import Migration
+
+        from .placement import placement_from_phy2log
+
+        new = placement_from_phy2log(torch.as_tensor(phy2log), self.spec.num_experts, self.world_size)
+        self.migration = Migration(self.state, self.model.moe_layers, self.placement, new)
+        self.migration_version = version
+
+    # -- reports ---------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict:
+        total, expert = _param_bytes(self.model)
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "param_bytes": total,  # params + persistent buffers
+            "expert_param_bytes": expert,
+            "expert_staging_bytes": self.peak_staging_bytes,  # peak; 0 until a rebalance stages experts here
+            "bytes_read": self.model.bytes_read,
+            "experts": [m.expert_ids for m in self.model.moe_layers],
+            "device": str(self.device),
+        }
+
+    def comm_stats(self) -> dict:
+        return self.state.stats.snapshot() if self.state is not None else {}
+
+    def shutdown(self) -> None:
+        self.model = None
+        self.migration = None
