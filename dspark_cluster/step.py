@@ -84,15 +84,14 @@ class StepInput(_NumpyWire):
     prev_token_pos: Optional[torch.Tensor] = None  # [P] long
     prev_token_row: Optional[torch.Tensor] = None  # [P] long
     share_sampled: bool = False  # TP rank 0 broadcasts its sampled tokens (the next step may need them)
-    # DSpark: the driver rank exports these decoder layers' outputs of the committed tokens
-    export_layers: Optional[tuple] = None
-    seq_ids: Optional[torch.Tensor] = None  # [B] long, with export_layers (-1: export nothing for that row)
+    # DSpark: the driver rank exports the committed tokens' states of the layers the drafter reads (a
+    # run's constant, given at worker setup) for the rows' owners (-1: export nothing for that row)
+    seq_ids: Optional[torch.Tensor] = None  # [B] long
     # executor ray: the drafter actors (by name) that take the rows, split by seq_id % len;
     # None in process: the rows come back in StepOutput.context
     export_to: Optional[tuple] = None
     # online calibration: sample rows whose verify rounds are recorded (with the target's top-k law)
-    record_rounds: Optional[torch.Tensor] = None  # [S] bool
-    record_top_logprobs: int = 20
+    record_rounds: Optional[torch.Tensor] = None  # [S] bool (the top-k kept: a run's constant, at worker setup)
     # log-probabilities: per sample row, how many top alternatives to return with each produced token's
     # (-1: none); per prompt position scored, the flat input index whose law scores `prompt_lp_target`,
     # and the scheduled row and token index it belongs to

@@ -19,27 +19,31 @@ from .step import StepInput, StepOutput
 
 @torch.inference_mode()
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
-                 prev_sampled: Optional[torch.Tensor] = None) -> StepOutput:
+                 prev_sampled: Optional[torch.Tensor] = None, export_layers: tuple = (),
+                 record_top_logprobs: int = 20) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
     `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
-    know yet (`prev_token_pos`)."""
+    know yet (`prev_token_pos`). The run's constants, given once at worker setup: `export_layers`,
+    the decoder layers a DSpark drafter reads (exported in steps that name the rows' owners,
+    `step.seq_ids`), and `record_top_logprobs`, the target's top-k kept per recorded verify round."""
     t0 = time.perf_counter()
     if step.prev_token_pos is not None:
         if prev_sampled is None:
             raise RuntimeError("a step refers to the previous step's tokens, but this rank has none")
         step.input_ids[step.prev_token_pos] = prev_sampled[step.prev_token_row, 0]
-    out = _execute_step(model, step, device, sample_tokens)
+    capture = tuple(export_layers) if step.seq_ids is not None else ()
+    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs)
     out.forward_s = time.perf_counter() - t0
     return out
 
 
-def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOutput:
+def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: tuple,
+                  record_top_logprobs: int) -> StepOutput:
     if step.query_lens.numel() == 0:
         return _idle_step(model, device)
     positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
     ids = step.input_ids.to(device)
-    capture = tuple(step.export_layers or ())
     hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype), capture=capture)
     ends = torch.cumsum(step.query_lens, 0)[step.sample_rows]  # one past each sample row's last token
     S = step.sample_rows.numel()
@@ -65,7 +69,7 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool) -> StepOu
             tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
             sampled, num_tokens, scored = tokens.cpu(), num_tokens.cpu(), padded
             if step.record_rounds is not None and capture:
-                rounds = _record(step, padded, nd, sampled, num_tokens, ends)
+                rounds = _record(step, padded, nd, sampled, num_tokens, ends, record_top_logprobs)
     token_lp = prompt_lp = None
     if scored is not None and step.logprobs is not None:
         token_lp = _token_logprobs(scored, sampled, step.temperature, step.logprobs)
@@ -140,7 +144,7 @@ def _prompt_logprobs(model, hidden, step: StepInput, device, sample_tokens: bool
     return torch.cat(out_lp), torch.cat(out_ids), torch.cat(out_top)
 
 
-def _record(step: StepInput, padded, nd, sampled, num_tokens, ends):
+def _record(step: StepInput, padded, nd, sampled, num_tokens, ends, top_logprobs: int):
     """The verify rounds of the rows that record them (online calibration), or None."""
     rows = torch.nonzero(step.record_rounds & (nd > 0)).flatten()
     if rows.numel() == 0:
@@ -149,7 +153,7 @@ def _record(step: StepInput, padded, nd, sampled, num_tokens, ends):
     return record_rounds(padded[rows.to(padded.device)], step.draft_tokens[rows], nd[rows], sampled[rows],
                          num_tokens[rows], step.temperature[rows], step.input_ids[anchor_idx],
                          step.context_lens[step.sample_rows[rows]] - nd[rows] - 1, step.seq_ids[step.sample_rows[rows]],
-                         step.record_top_logprobs)
+                         top_logprobs)
 
 
 def _idle_step(model, device) -> StepOutput:

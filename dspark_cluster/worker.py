@@ -19,6 +19,7 @@ the engine already read, so no worker re-reads or re-validates the whole config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -41,12 +42,23 @@ class WorkerConfig:
     num_redundant_experts: int = 0  # eplb.num_redundant_experts
     hot_experts: tuple = field(default_factory=tuple)  # workload.hot_experts (a hot-spot study's router bias)
     hot_bias: float = 0.0  # workload.hot_bias
+    # the run's speculative constants, sent once here rather than with every step: the decoder layers
+    # a DSpark drafter reads, and the target's top-k log-probabilities kept per recorded verify round
+    export_layers: tuple = ()
+    record_top_logprobs: int = 20
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
+        sp = cfg.speculative
+        export = ()
+        if sp.enabled and sp.method == "dspark":
+            from .speculative.dspark_model import DSparkConfig
+
+            export = tuple(DSparkConfig.load(Path(sp.draft_model) / "config.json").target_layer_ids)
         return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
                    num_redundant_experts=cfg.eplb.num_redundant_experts,
-                   hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias)
+                   hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,
+                   export_layers=export, record_top_logprobs=sp.calibration.top_logprobs)
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -130,7 +142,8 @@ class Worker:
             self._start_migration(*step.placement_update)
         try:
             out = execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
-                               prev_sampled=self._prev_sampled)
+                               prev_sampled=self._prev_sampled, export_layers=self.cfg.export_layers,
+                               record_top_logprobs=self.cfg.record_top_logprobs)
         finally:
             # this step's share of the expert transfers, here between two steps on the step thread: every rank
             # runs the same steps, so all issue them at the same point among the step's collectives (also after

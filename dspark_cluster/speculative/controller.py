@@ -159,13 +159,12 @@ class Speculation:
             if export is None or not sc.scheduled:
                 out.append({})
                 continue
-            fields = {"export_layers": export[0], "export_to": export[1],
+            fields = {"export_to": export[1],  # the layers (export[0]) are the workers' setup
                       "seq_ids": torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
                                               dtype=torch.long)}
             if self.record_rounds:
                 fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
                                                        dtype=torch.bool)
-                fields["record_top_logprobs"] = self.cfg.speculative.calibration.top_logprobs
             out.append(fields)
         return out
 
