@@ -20,14 +20,16 @@ E4M3_MAX = 448.0
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple, row0: int = 0, col0: int = 0) -> torch.Tensor:
     """q [R, C] fp8 values of the global rows row0.. and columns col0.. of a weight; scale [r, c] the
-    block scales starting at block (row0 // bm, col0 // bn) that cover them -> float32 [R, C]."""
+    block scales starting at block (row0 // bm, col0 // bn) that cover them -> float32 [R, C], on
+    q's device (the loader moves the fp8 slice to the worker's device first: half the bytes of bf16
+    cross the bus, and a GPU widens them at its own bandwidth)."""
     bm, bn = block
     r, c = row0 % bm, col0 % bn
     nr, nc = scale.shape
     # the values laid into whole blocks, each block scaled in place by one broadcast multiply
-    out = torch.empty(nr * bm, nc * bn, dtype=torch.float32)
+    out = torch.empty(nr * bm, nc * bn, dtype=torch.float32, device=q.device)
     out[r : r + q.shape[0], c : c + q.shape[1]] = q
-    out.view(nr, bm, nc, bn).mul_(scale.float()[:, None, :, None])
+    out.view(nr, bm, nc, bn).mul_(scale.to(q.device, torch.float32)[:, None, :, None])
     return out[r : r + q.shape[0], c : c + q.shape[1]]
 
 
@@ -73,7 +75,7 @@ def write_fp8_checkpoint(src, dst, block=(128, 128), dequantized=None, rest_dtyp
         if is_quantized_weight(name, t):
             q, s = quantize_fp8(t, block)
             quantized[name], quantized[name + "_scale_inv"] = q, s
-            plain[name] = dequantize_fp8(q, s, block).to(t.dtype)
+            plain[name] = dequantize_fp8(q, s, block).to(t.dtype).contiguous()
         else:
             quantized[name] = t if rest_dtype is None else t.to(rest_dtype)
             plain[name] = quantized[name].to(t.dtype)

@@ -29,11 +29,13 @@ from .spec import ModelSpec
 
 class CheckpointReader:
     """Name -> file index over a folder of *.safetensors; reads tensors or slices on demand.
-    fp8_block: the checkpoint's quantization block (rows, cols), from config.json, or None."""
+    fp8_block: the checkpoint's quantization block (rows, cols), from config.json, or None;
+    device: where fp8 slices are widened."""
 
-    def __init__(self, path, fp8_block=None):
+    def __init__(self, path, fp8_block=None, device="cpu"):
         self.path = Path(path)
         self.fp8_block = tuple(fp8_block) if fp8_block else None
+        self.device = torch.device(device)  # where fp8 slices are dequantized (the worker's device)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors files; save the model with safe_serialization")
@@ -106,7 +108,7 @@ class CheckpointReader:
         if tuple(scale_sl.get_shape()) != want:
             raise CheckpointError(f"{self.path}: {scale_name!r} has shape {tuple(scale_sl.get_shape())}, expected "
                                   f"{want} for a {rows} x {cols} weight in {bm} x {bn} blocks (weight_block_size)")
-        q = self._take(sl, dim, start, length)
+        q = self._take(sl, dim, start, length).to(self.device)
         if dim is None:
             return dequantize_fp8(q, self._take(scale_sl, None, 0, None), self.fp8_block)
         b = bm if dim == 0 else bn
@@ -197,7 +199,7 @@ def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") 
         model = DecoderModel(spec, comm, expert_ids)
     model = model.to(dtype=spec.dtype).to_empty(device=device)
     model.reset_buffers()
-    reader = CheckpointReader(path, spec.fp8_block)
+    reader = CheckpointReader(path, spec.fp8_block, device)
     load_weights(model, reader)
     model.bytes_read = reader.bytes_read
     return model.eval().requires_grad_(False)
