@@ -280,27 +280,11 @@ def build_small_vocab(path: str, seed: int, scale: float) -> str:
     return path
 
 
-def build_dspark(target_path: str, out_dir: str, seed: int = 0, layers=(0,), block_size: int = 4,
-                 markov_rank: int = 8, hidden: int = 32, scale: float = 1.0) -> str:
-    """A random DSpark drafter for `target_path` (tests/conftest.py build_dspark), saved in fp32."""
-    from dspark_cluster.model.spec import load_spec
-    from dspark_cluster.speculative.dspark_model import (DSparkConfig, DSparkDrafter, save_drafter, target_tables,
-                                                          tensor_fingerprint)
+def build_dspark(target_path: str, out_dir: str, **kw) -> str:
+    """A random DSpark drafter for `target_path`, saved in fp32 (dspark_model.random_drafter)."""
+    from dspark_cluster.speculative.dspark_model import random_drafter
 
-    spec = load_spec(str(target_path), "float32")
-    embed, head = target_tables(str(target_path), spec)
-    torch.manual_seed(seed)
-    c = DSparkConfig(target_hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, target_layer_ids=list(layers),
-                     hidden_size=hidden, num_heads=2, intermediate_size=2 * hidden, block_size=block_size,
-                     markov_rank=markov_rank, mask_token_id=1,
-                     target={"embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
-    model = DSparkDrafter(c)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, scale / p.shape[1] ** 0.5)
-    save_drafter(model, out_dir, dtype=torch.float32)
-    return out_dir
+    return str(random_drafter(target_path, out_dir, **kw))
 
 
 def write_random_qwen3_moe(path: str, shape: dict, num_layers: int, device, dtype=torch.bfloat16, std=0.02) -> int:

@@ -331,3 +331,25 @@ def save_drafter(model: DSparkDrafter, path, dtype=torch.float16) -> int:
     model.c.save(path / "config.json")
     return sum(f.stat().st_size for f in path.iterdir())
 
+
+def random_drafter(target_path, out_dir, seed: int = 0, layers=(0,), block_size: int = 4, markov_rank: int = 8,
+                   hidden: int = 32, scale: float = 1.0):
+    """A random DSpark drafter for the checkpoint at `target_path`, saved in fp32 to `out_dir` (its
+    tables are the target's; every matrix drawn at `scale` / sqrt(fan-in), so the Markov head is
+    non-zero and its path runs): for tests and device checks, which build their own models."""
+    from ..model.spec import load_spec
+
+    spec = load_spec(str(target_path), "float32")
+    embed, head = target_tables(str(target_path), spec)
+    torch.manual_seed(seed)
+    c = DSparkConfig(target_hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, target_layer_ids=list(layers),
+                     hidden_size=hidden, num_heads=2, intermediate_size=2 * hidden, block_size=block_size,
+                     markov_rank=markov_rank, mask_token_id=1,
+                     target={"embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
+    model = DSparkDrafter(c)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, scale / p.shape[1] ** 0.5)
+    save_drafter(model, out_dir, dtype=torch.float32)
+    return out_dir
