@@ -1,16 +1,16 @@
-"""The `ray` backend, as the core finds it by name (`dspark_cluster.executor.backend("ray")`):
-the target's executor, the drafter group, clients of a Router, and runs on a Ray cluster."""
+"""The `ray` backend, as the core finds it by name (`dspark_cluster.backends.backend("ray")`):
+the target's executor, the drafter group, the engine client of a Router, and runs on a Ray cluster."""
 
 from __future__ import annotations
 
 import ray
 
-from .client import AsyncRouterClient, RouterClient
+from .client import RouterClient
 from .cluster import Cluster as Executor
 from .cluster import ensure_ray, num_actors, ray_get, start_router, stop_router
 from .drafter_group import RayDrafterGroup as DrafterGroup
 
-__all__ = ["AsyncRouterClient", "DrafterGroup", "Executor", "RouterClient", "prepare", "run_workload"]
+__all__ = ["DrafterGroup", "Executor", "RouterClient", "prepare", "run_workload"]
 
 
 def prepare(cfgs: list) -> None:

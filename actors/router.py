@@ -1,12 +1,43 @@
 """Router: the Ray actor that owns the scheduler and the shard workers, and serves requests.
 
 A thin shell over the core's AsyncEngine: requests are submitted and streamed through this actor;
-every step is one round trip to the ShardWorkers (a compiled graph on one node, actor calls across nodes), and only token ids come back.
+every step is one round trip to the ShardWorkers (a compiled graph on one node, actor calls across
+nodes), and only token ids come back. Towards its clients (actors.client.RouterClient) a batch of
+requests is one call, and each client's pieces leave as one object per step on one stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+
+from dspark_cluster.errors import EngineError
+
+
+class _Outbox:
+    """One client's pieces between the engine's hand-overs and its output stream: everything since
+    the stream last took, as one list of (request id, piece or error)."""
+
+    def __init__(self):
+        self.items: list = []
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, request_id: str, item) -> None:
+        if isinstance(item, BaseException) and not isinstance(item, EngineError):  # our messages only cross
+            item = EngineError(f"request {request_id} failed ({type(item).__name__}); see the server log")
+        self.items.append((request_id, item))
+        self.ready.set()
+
+    async def take(self) -> list:
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
 
 
 class Router:
@@ -14,6 +45,7 @@ class Router:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.cfg = cfg
         self.core = None
+        self._outboxes: dict[str, _Outbox] = {}  # client stream id -> its outbox
 
     def start(self) -> dict:
         """Start the shard workers and the step loop. Separate from __init__ so that a failure
@@ -27,16 +59,38 @@ class Router:
         self.core = AsyncEngine(cfg, metrics=RayMetrics(os.path.basename(cfg.model.path.rstrip("/"))))
         return self.core.stats()
 
-    async def submit(self, prompt, params=None, request_id=None) -> str:
-        return self.core.submit(prompt, params, request_id)
+    def engine_info(self) -> dict:
+        """What a client needs of the model (read here once, from the checkpoint)."""
+        return {"max_model_len": self.core.engine.max_model_len}
 
-    async def stream(self, request_id: str):
-        """Ray streaming generator: one StreamPiece per step in which the request gained tokens."""
-        async for piece in self.core.stream(request_id):
-            yield piece
+    # ---- requests ---------------------------------------------------------------------------
+    def _outbox(self, stream_id: str) -> _Outbox:
+        box = self._outboxes.get(stream_id)
+        if box is None:
+            box = self._outboxes[stream_id] = _Outbox()
+        return box
 
-    async def result(self, request_id: str):
-        return await self.core.result(request_id)
+    async def add_requests(self, stream_id: str, prompts, params, request_ids) -> list:
+        """Validate and queue a batch (n choices, many prompts) in one call; their pieces go to the
+        client's output stream `stream_id`."""
+        return self.core.submit_many(prompts, params, request_ids, sink=self._outbox(stream_id))
+
+    async def outputs(self, stream_id: str):
+        """Ray streaming generator: one object per step in which this client's requests gained
+        pieces (a list of (request id, StreamPiece or EngineError)), until close_outputs."""
+        box = self._outbox(stream_id)
+        try:
+            while not box.closed:
+                items = await box.take()
+                if items:
+                    yield items
+        finally:
+            self._outboxes.pop(stream_id, None)
+
+    def close_outputs(self, stream_id: str) -> None:
+        box = self._outboxes.get(stream_id)
+        if box is not None:
+            box.close()
 
     async def generate(self, prompts, params):
         return await self.core.generate(prompts, params)
@@ -47,26 +101,23 @@ class Router:
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    def set_speculation(self, enabled: bool) -> None:
-        self.core.set_speculation(enabled)
+    # ---- admin ------------------------------------------------------------------------------
+    async def call_utility(self, name: str, *args):
+        """The engine's admin operations by name (dspark_cluster.async_engine.UTILITIES)."""
+        return await self.core.call_utility(name, *args)
 
-    async def drafter_status(self) -> dict:
-        import asyncio
+    async def set_speculation(self, enabled: bool) -> None:
+        """(Documented shorthand: router.set_speculation.remote(False).)"""
+        await self.call_utility("set_speculation", enabled)
 
-        return await asyncio.to_thread(self.core.drafter_status)  # it may ask the calibrator actor
+    async def rebalance_now(self) -> None:
+        """(Shorthand: router.rebalance_now.remote().)"""
+        await self.call_utility("rebalance_now")
 
-    async def rollback_drafter(self, version=None) -> dict:
-        return await self.core.rollback_drafter(version)
-
-    async def resume_drafter(self) -> dict:
-        return await self.core.resume_drafter()
-
+    # ---- inspection -------------------------------------------------------------------------
     def balancer_summary(self) -> dict:
         b = self.core.engine.balancer
         return b.summary() if b is not None else {}
-
-    def rebalance_now(self) -> None:
-        self.core.rebalance_now()
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -89,5 +140,7 @@ class Router:
         return self.core.engine.executor.debug_logits(step)
 
     def shutdown(self) -> None:
+        for box in list(self._outboxes.values()):
+            box.close()
         if self.core is not None:
             self.core.shutdown()

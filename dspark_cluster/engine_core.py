@@ -1,23 +1,21 @@
-"""EngineCore: the request lifecycle over the engine, in one place for both of its drivers.
-
-`AsyncEngine` steps it in a thread of its own and hands each request's outputs to its asyncio
-queue; `LLM` steps it in the caller's thread until its requests finish. Either way a request is
-added, stepped, its text made as its tokens are produced (`OutputProcessor`: incremental
-detokenisation, stop strings ending it in the step that completed them), and on finishing it is
-released and recorded (per-request metrics, the metrics sink) once.
+"""EngineCore: the request lifecycle over the engine, in one place: a request is added, stepped,
+its pieces made as its tokens are produced (`StreamPiece`: the text its tokens completed, stop
+strings ending it in the step that completed them), and on finishing it is released and recorded
+(per-request metrics, the metrics sink) once. `AsyncEngine` steps it (in a thread of its own, or
+for LLM in the caller's thread) and hands each step's pieces to their readers, in process and in
+the Router actor.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 from .engine import LLMEngine
 from .errors import StepError
-from .outputs import OutputProcessor, RequestOutput, StreamPiece, TokenEvent
+from .outputs import OutputProcessor, StreamPiece, TokenEvent
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -26,17 +24,12 @@ FINISHED_KEPT = 1024  # finished requests' metrics a server keeps for inspection
 
 
 @dataclass
-class Output:
-    """What one step gave one request: the engine's event and the text its tokens completed."""
+class _Live:
+    """A request added and not finished: its sequence, its output path, whether a piece went out."""
 
-    event: TokenEvent
-    text: str
-
-    def piece(self, first: bool = False) -> StreamPiece:
-        """first: the request's first piece, which carries its prompt log-probabilities (if asked)."""
-        ev = self.event
-        return StreamPiece(ev.request_id, ev.new_token_ids, self.text, ev.finished, ev.finish_reason, ev.logprobs,
-                           _prompt_logprobs(ev.seq) if first else None, ev.seq.num_cached_tokens)
+    seq: Sequence
+    out: OutputProcessor
+    started: bool = False
 
 
 def _prompt_logprobs(seq: Sequence) -> Optional[list]:
@@ -45,79 +38,80 @@ def _prompt_logprobs(seq: Sequence) -> Optional[list]:
     return list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens)  # a one-token prompt has nothing scored
 
 
-def request_output(seq: Sequence, text: str) -> RequestOutput:
-    return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                         token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
-                         metrics=seq.metrics(),
-                         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                         prompt_logprobs=_prompt_logprobs(seq))
-
-
 class EngineCore:
-    """Not thread-safe: one thread adds, aborts and steps (AsyncEngine's step thread, or LLM's caller)."""
+    """Not thread-safe: one thread adds, aborts and steps (AsyncEngine's step loop)."""
 
     def __init__(self, engine: LLMEngine, metrics=None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.metrics = metrics  # optional sink: observe_step / observe_request / observe_experts / observe_ledger
-        self._live: dict[str, tuple[Sequence, OutputProcessor]] = {}  # requests added and not finished
+        self.metrics = metrics  # optional sink (metrics.EngineMetrics): observe_step / observe_request / observe_experts
+        self._live: dict[str, _Live] = {}
         # per-request metrics of the latest finished requests (bounded: a server runs for long); a
         # workload run records all of its own
         self.finished = deque(maxlen=FINISHED_KEPT)
         self.num_finished = 0
-        self._ledger_t = 0.0  # when the metrics sink last got the cost ledger
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence made by engine.make_sequence (validated)."""
         self.engine.enqueue(seq)  # raises RequestError for an id in use, before anything is kept
-        self._live[seq.request_id] = (seq, OutputProcessor(self.tokenizer, seq.params.stop))
+        out = OutputProcessor(self.tokenizer, seq.params.stop, token_texts=seq.params.logprobs is not None)
+        self._live[seq.request_id] = _Live(seq, out)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
-    def step(self) -> list[Output]:
-        """One engine step and what it gave each request. A StepError (that step's requests failed,
-        the engine goes on) is raised after recording them; the engine's own failure as it is."""
+    def step(self) -> list[StreamPiece]:
+        """One engine step and the pieces it made. A StepError (that step's requests failed, the
+        engine goes on) is raised after recording them; the engine's own failure as it is."""
         eng = self.engine
-        steps, restarts = eng.num_steps, eng.num_restarts
+        steps = eng.num_steps
         try:
             events = eng.step()
         except StepError as e:
             self.failed(e.request_ids)
             raise
-        finally:
-            if self.metrics is not None and eng.num_restarts != restarts:
-                self.metrics.observe_restarts(eng.num_restarts - restarts)
         if eng.num_steps != steps and self.metrics is not None:
             self._observe_step()
         return self.process(events)
 
-    def drain(self) -> list[Output]:
+    def drain(self) -> list[StreamPiece]:
         """The step still in flight (async scheduling), processed without scheduling another."""
         return self.process(self.engine.drain())
 
-    def abort(self, request_id: str, reason: str = "abort") -> list[Output]:
+    def abort(self, request_id: str, reason: str = "abort") -> list[StreamPiece]:
         """End a request now (no-op for one that has finished); its KV blocks are freed."""
         removed = self.engine.abort_request(request_id, reason)
         return self.process([TokenEvent(s.request_id, [], True, reason, s) for s in removed])
 
-    def process(self, events: list[TokenEvent]) -> list[Output]:
-        """Text for each event's tokens; a stop string ends its request here, in this step."""
-        outputs = []
+    def process(self, events: list[TokenEvent]) -> list[StreamPiece]:
+        """A piece for each event of a request added here: the text its tokens complete; a stop
+        string ends its request here, in this step."""
+        pieces = []
         for ev in events:
             live = self._live.get(ev.request_id)
-            text = ""
-            if live is not None:
-                text, stopped = live[1].add(ev.new_token_ids, ev.finished)
-                if stopped:
-                    if not ev.finished:  # the engine drops it before the next step: no round trip from a client
-                        self.engine.abort_request(ev.request_id, "stop")
-                    ev.seq.finish_reason = "stop"
-                    ev = TokenEvent(ev.request_id, ev.new_token_ids, True, "stop", ev.seq, ev.logprobs)
-            if ev.finished:
-                self._finish(ev.seq)
-            outputs.append(Output(ev, text))
-        return outputs
+            if live is None:  # not added through this core, or already ended: nobody reads it
+                continue
+            seq = live.seq
+            text, stopped = live.out.add(ev.new_token_ids, ev.finished)
+            finished, reason = ev.finished, ev.finish_reason
+            if stopped:
+                if not finished:  # the engine drops it before the next step: no round trip from a client
+                    self.engine.abort_request(ev.request_id, "stop")
+                seq.finish_reason = reason = "stop"
+                finished = True
+            logprobs = ev.logprobs
+            if logprobs is None and seq.params.logprobs is not None:
+                logprobs = []  # asked for: a list on every piece
+            piece = StreamPiece(ev.request_id, ev.new_token_ids, text, finished, reason, logprobs,
+                                None if live.started else _prompt_logprobs(seq), seq.num_cached_tokens,
+                                live.out.token_texts)
+            live.started = True
+            if finished:
+                piece.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
+                piece.metrics = seq.metrics()
+                self._finish(seq)
+            pieces.append(piece)
+        return pieces
 
     def failed(self, request_ids) -> None:
         """Record requests the engine failed (their sequences are finished and released)."""
@@ -125,12 +119,12 @@ class EngineCore:
             live = self._live.pop(rid, None)
             self.num_finished += 1
             if live is not None:  # in the report too, with its reason
-                seq = live[0]
+                seq = live.seq
                 self.finished.append(dict(request_id=rid, finish_reason=seq.finish_reason or "error", **seq.metrics()))
 
     def _finish(self, seq: Sequence) -> None:
         if self._live.pop(seq.request_id, None) is None:
-            return  # not added through this core (or already recorded)
+            return  # already recorded
         self.engine.release(seq.request_id)
         self.num_finished += 1
         self.finished.append(dict(request_id=seq.request_id, finish_reason=seq.finish_reason, **seq.metrics()))
@@ -142,11 +136,6 @@ class EngineCore:
         m.observe_step(eng.step_stats[-1])
         if eng.balancer is not None and eng.num_steps % 10 == 0:  # cheap, but not every step
             m.observe_experts(eng.balancer.balancedness().tolist(), len(eng.balancer.events))
-        if time.monotonic() - self._ledger_t > 5.0:  # the cost gauges move slowly
-            self._ledger_t = time.monotonic()
-            ledger = self.live_ledger()
-            if ledger is not None:
-                m.observe_ledger(ledger)
 
     def live_ledger(self) -> Optional[dict]:
         """The cost ledger since start, without the bytes communicated (a call to every worker) and

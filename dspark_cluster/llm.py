@@ -1,26 +1,89 @@
 """The public API: `LLM(model, config).generate(prompts, params)` and `.stream(prompt, params)`.
 
-A synchronous client: in process it steps the same `EngineCore` the asynchronous engine runs (in
-the caller's thread, until its requests finish); with `executor: ray` it asks the Router actor,
-whose AsyncEngine runs that core.
+A synchronous wrapper over the engine client (client.EngineClient: the in-process engine, or the
+Router actor with `executor: ray`), the one the HTTP server uses: each call runs the client's
+coroutine on an event loop of LLM's own, in the caller's thread, until it is done. In process the
+engine is stepped by that loop (AsyncEngine with step_thread=False): in the caller's thread, only
+while a call waits, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import weakref
 from typing import Iterator, Optional, Sequence as Seq, Union
 
+from .client import EngineClient
 from .config import load_config
-from .engine import LLMEngine
-from .engine_core import EngineCore, request_output
 from .errors import RequestError
-from .executor import backend
 from .outputs import RequestOutput, StreamPiece
 from .sampling import SamplingParams
 
 Prompt = Union[str, list[int]]
 
 __all__ = ["LLM", "RequestOutput", "StreamPiece"]
+
+
+class _Loop:
+    """An event loop of LLM's own, run in the caller's thread for the length of each call: the
+    in-process engine steps there (where it was built), and only while a call waits for it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro):
+        task = self.loop.create_task(coro)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():  # an interrupt (Ctrl-C): let the call clean up (abort its requests)
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(task)
+            raise
+
+    def iterate(self, agen) -> Iterator:
+        """A synchronous iterator over an async generator; closing it closes the generator."""
+        async def step():
+            return await agen.__anext__()
+
+        try:
+            while True:
+                try:
+                    item = self.run(step())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if not self.loop.is_closed():
+                self.run(agen.aclose())
+
+    def close(self) -> None:
+        """Cancel what is left on the loop (the engine's step task, a Router client's reader), as
+        asyncio.run does, and close it."""
+        loop = self.loop
+        if loop.is_closed():
+            return
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        except RuntimeError:  # collected inside another running loop: close it as it is
+            pass
+        finally:
+            loop.close()
+
+
+def _shutdown(client: EngineClient, loop: _Loop) -> None:
+    try:
+        client.shutdown()
+    finally:
+        loop.close()
 
 
 class LLM:
@@ -30,16 +93,22 @@ class LLM:
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, config=None):
         overrides = {"model.path": str(model)} if model is not None else None
         self.config = load_config(config, overrides)
-        self.engine = None  # executor: local -- the engine runs in this process
-        self._core: Optional[EngineCore] = None
-        self._remote = None  # executor: ray -- a client of the Router actor that owns the engine
-        self.router = None  # (and that actor's handle)
-        if self.config.parallel.executor != "local":
-            self._remote = backend(self.config.parallel.executor).RouterClient.start(self.config)
-            self.router, self.tokenizer = self._remote.handle, self._remote.tokenizer
-        else:
-            self._core = EngineCore(LLMEngine(self.config))
-            self.engine, self.tokenizer = self._core.engine, self._core.tokenizer
+        self._loop = _Loop()
+        try:
+            self.client = EngineClient.start(self.config, step_thread=False)
+        except BaseException:
+            self._loop.close()
+            raise
+        # in process: the engine (LLMEngine) itself; on Ray: the Router actor's handle
+        self.engine = self.client.engine.engine if self.client.engine is not None else None
+        self.router = self.client.router
+        # an LLM dropped without shutdown() still stops its engine (or Router) when collected
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
+        self._finalizer.atexit = False
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
 
     # ---- generation ------------------------------------------------------------------------
     def _params_list(self, n, params) -> list[SamplingParams]:
@@ -56,78 +125,51 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = self._params_list(len(prompts), params)
-        if self._remote is not None:
-            return self._remote.generate(prompts, plist)
-        core = self._core
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]  # all validated first
-        texts = {s.request_id: [] for s in seqs}
-        pending = set(texts)
         try:
-            for s in seqs:
-                core.add(s)
-            while pending:
-                for o in core.step():
-                    rid = o.event.request_id
-                    if rid in texts:
-                        texts[rid].append(o.text)
-                        if o.event.finished:
-                            pending.discard(rid)
+            return self._loop.run(self.client.generate(list(prompts), plist))
         finally:
-            for rid in pending:  # a failed step, an interrupt: none of this call's requests is left running
-                core.abort(rid)
-            core.drain()  # async scheduling: a step scheduled past the last stop token
-        return [request_output(s, "".join(texts[s.request_id])) for s in seqs]
+            self._settle()
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamPiece]:
-        if self._remote is not None:
-            yield from self._remote.stream(prompt, params or SamplingParams())
-            return
-        core = self._core
-        seq = self.engine.make_sequence(prompt, params or SamplingParams())
-        core.add(seq)
-        started = done = False
+        rid = self._loop.run(self.client.submit(prompt, params or SamplingParams()))
         try:
-            while not done:
-                for o in core.step():
-                    if o.event.request_id == seq.request_id:
-                        yield o.piece(first=not started)
-                        started, done = True, o.event.finished
+            yield from self._loop.iterate(self.client.stream(rid))  # leaving early aborts the request
         finally:
-            if not done:
-                core.abort(seq.request_id)  # the consumer stopped early: free the KV
-            core.drain()
+            self._settle()
 
-    # ---- online drafter calibration ---------------------------------------------------------
+    def _settle(self) -> None:
+        """In process, a call returns with no step of its requests in flight (async scheduling
+        schedules one past the last stop token), so the engine's state is final when read."""
+        if self.client is not None and self.client.engine is not None:
+            self._loop.run(self.client.engine.drain())
+
+    # ---- admin: online drafter calibration, speculation, balancing ---------------------------
+    def call_utility(self, name: str, *args):
+        """An admin operation of the engine by name (async_engine.UTILITIES), as the server's
+        admin routes call it."""
+        return self._loop.run(self.client.call_utility(name, *args))
+
     def drafter_status(self) -> dict:
         """The serving drafter version, the history of versions (version, time, rounds trained on,
         shadow score, live tau), the versions held for rollback and the calibrator's buffer."""
-        if self._remote is not None:
-            return self._remote.drafter_status()
-        return self.engine.drafter_status()
+        return self.call_utility("drafter_status")
 
     def rollback_drafter(self, version: Optional[int] = None) -> dict:
         """Serve an earlier drafter version from the next step (None: the original, uncalibrated
         weights) and hold it: no calibrated version publishes until resume_drafter(). Returns
         drafter_status(); RequestError for a version the drafters do not hold."""
-        if self._remote is not None:
-            return self._remote.rollback_drafter(version)
-        return self.engine.rollback_drafter(version)
+        return self.call_utility("rollback_drafter", version)
 
     def resume_drafter(self) -> dict:
         """After rollback_drafter (which holds the version it rolled back to): let calibrated
         versions publish again."""
-        if self._remote is not None:
-            return self._remote.resume_drafter()
-        return self.engine.resume_drafter()
+        return self.call_utility("resume_drafter")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = self._core = None
-        if self._remote is not None:
-            self._remote.shutdown()
-            self._remote = self.router = None
+        if self.client is not None:
+            self._finalizer()  # once: client.shutdown(), then the loop
+            self.client = self.engine = self.router = None
 
     def __enter__(self):
         return self

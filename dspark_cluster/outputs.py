@@ -1,6 +1,9 @@
-"""What a request gives back, and how its text is made: `RequestOutput` (a whole request),
-`StreamPiece` (what one step added), and `OutputProcessor` (per request: incremental
-detokenisation and stop strings, run where the tokens are produced, in the engine's step thread).
+"""What a request gives back, and how its text is made. One shape crosses every boundary on the way
+out: `StreamPiece`, what one step added to one request, made in the engine's step thread where the
+tokens are produced (text, stop strings, log-probability token texts: once). Each step's pieces go
+to a reader's event loop as one batch, and over Ray as one object per client. `RequestOutput` (a
+whole request) is its pieces folded (`request_output`). Before them, `TokenEvent` is the engine's
+record of a step's tokens; it holds the engine's Sequence, so it never leaves the engine's thread.
 
 Text costs O(1) per token (tokenizers' `DecodeStream` over the fast tokenizer) instead of a decode
 of the whole output at every step; the last piece flushes what the stream held back (an incomplete
@@ -63,15 +66,36 @@ class StreamPiece:
     logprobs: Optional[list] = None  # a TokenLogprob per token of this piece (SamplingParams.logprobs)
     prompt_logprobs: Optional[list] = None  # on the first piece, with SamplingParams.prompt_logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with SamplingParams.logprobs and a fast tokenizer: the text each token adds to the output's
+    # (one DecodeStream step each; "" for a token that ends inside a character), for log-probability
+    # entries, so that no reader decodes the tokens again
+    token_texts: Optional[list] = None
+    # on the last piece: what a whole RequestOutput holds beyond its pieces
+    prompt_token_ids: Optional[list] = None
+    metrics: Optional[dict] = None
+
+
+def request_output(pieces: list[StreamPiece]) -> RequestOutput:
+    """A whole request from its pieces, in order (the last one finished)."""
+    first, last = pieces[0], pieces[-1]
+    # a request that asked for log-probabilities has a list on every piece (maybe empty)
+    logprobs = None if first.logprobs is None else [e for p in pieces for e in p.logprobs or ()]
+    return RequestOutput(request_id=last.request_id, prompt_token_ids=list(last.prompt_token_ids or ()),
+                         token_ids=[t for p in pieces for t in p.token_ids], text="".join(p.text for p in pieces),
+                         finish_reason=last.finish_reason, metrics=dict(last.metrics or {}), logprobs=logprobs,
+                         prompt_logprobs=first.prompt_logprobs)
 
 
 class Detokenizer:
     """Incremental text of one output. With a fast tokenizer each token is one DecodeStream step;
     otherwise (a slow tokenizer) the whole output is decoded again, as before."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, token_texts: bool = False):
         self.tokenizer = tokenizer
         self.emitted = ""  # the text given out so far
+        # token_texts: keep each token's own piece of text (the last add()'s, in `token_texts`)
+        self.want_token_texts = token_texts
+        self.token_texts: Optional[list] = None
         self._ids: list[int] = []
         self._stream = None
         backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers have one
@@ -89,8 +113,12 @@ class Detokenizer:
         if self.tokenizer is None:
             return ""
         self._ids += token_ids
-        if self._stream is not None and not final:
-            new = "".join(p for p in (self._stream.step(self._backend, t) for t in token_ids) if p)
+        steps = None
+        if self._stream is not None and (not final or self.want_token_texts):
+            steps = [self._stream.step(self._backend, t) or "" for t in token_ids]
+        self.token_texts = steps if self.want_token_texts else None
+        if steps is not None and not final:
+            new = "".join(steps)
         else:  # the last piece, or a slow tokenizer: from the whole output
             text = self.full(self._ids)
             if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
@@ -128,8 +156,8 @@ class OutputProcessor:
     """One request's output, fed by the engine's step thread: text deltas, and whether a stop
     string ended it."""
 
-    def __init__(self, tokenizer, stops=()):
-        self.detok = Detokenizer(tokenizer)
+    def __init__(self, tokenizer, stops=(), token_texts: bool = False):
+        self.detok = Detokenizer(tokenizer, token_texts)
         self.stops = StopStrings(stops) if stops else None
         self.text = ""  # the text given out (the output's, cut at a stop string)
 
@@ -141,3 +169,8 @@ class OutputProcessor:
             new, stopped = self.stops.feed(new, final)
         self.text += new
         return new, stopped
+
+    @property
+    def token_texts(self) -> Optional[list]:
+        """Each token's own text, of the last add() (with token_texts=True and a fast tokenizer)."""
+        return self.detok.token_texts

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -56,8 +57,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers.decoders import DecodeStream
 
 from .client import EngineClient
-from .cost import label_names, ledger_metrics
 from .errors import ConfigError, EngineError, RequestError
+from .metrics import EngineMetrics, PrometheusSink, names
+from .outputs import StreamPiece
 from .sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -239,88 +241,25 @@ class ChatCompletionRequest(_SamplingFields):
 # metrics
 # ---------------------------------------------------------------------------------------------
 
-_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 
-class ServerMetrics:
-    """Prometheus metrics in a registry of this server's own (not the process-global one)."""
+class ServerMetrics(EngineMetrics):
+    """What /metrics exports (each name's meaning: metrics.METRICS): the engine's state, set from
+    the client's stats() at each scrape, and the HTTP layer's own, in a registry of this server's."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry()
-        self._ledger: dict = {}  # cost gauges by name, declared at their first sample
-        self.ttft = Histogram("dspark_http_time_to_first_token_seconds",
-                              "Request arrival at the server to its first token, per choice", buckets=_TTFT_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("dspark_http_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per choice", buckets=_TPOT_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("dspark_http_request_latency_seconds", "Request arrival to its last byte of output",
-                             buckets=_TTFT_BUCKETS, registry=r)
-        self.requests = Counter("dspark_http_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("dspark_http_choices_finished", "Generated choices by finish reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("dspark_http_prompt_tokens", "Prompt tokens of served requests", registry=r)
-        self.generation_tokens = Counter("dspark_http_generation_tokens", "Tokens generated for served requests",
-                                         registry=r)
-        self.kv_used = Gauge("dspark_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.kv_total = Gauge("dspark_kv_blocks_total", "KV cache blocks in the pool", registry=r)
-        self.running = Gauge("dspark_num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("dspark_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.preemptions = Gauge("dspark_preemptions", "Preemptions since the engine started", registry=r)
-        self.streams_open = Gauge("dspark_http_streams_open", "Streaming responses in progress", registry=r)
-        self.engine_up = Gauge("dspark_engine_up", "1 while the engine serves (state ok), else 0", registry=r)
-        self.engine_restarts = Gauge("dspark_engine_restarts", "Engine restarts after worker failures", registry=r)
-        self.prefix_hit_rate = Gauge("dspark_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache at "
-                                     "admission / prompt tokens looked up, since start", registry=r)
-        self.prefix_hits = Gauge("dspark_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache, "
-                                 "since start", registry=r)
-        # speculative decoding (0 without a drafter): the verify budget of the last step and over the run
-        self.verify_budget = Gauge("dspark_spec_verify_budget", "Tokens the last step ran, drafts verified included",
-                                   registry=r)
-        self.verified_share = Gauge("dspark_spec_verified_share", "Share of drafted positions verified, since start",
-                                    registry=r)
-        self.accepted_length = Gauge("dspark_spec_mean_accepted_length", "Tokens per verify round, since start",
-                                     registry=r)
-        self.drafter_version = Gauge("dspark_drafter_version", "The drafter version serving (online calibration)",
-                                     registry=r)
-        self.drafter_live_tau = Gauge("dspark_drafter_live_tau", "Tokens per verify round of the serving drafter "
-                                      "version over its last window_rounds", registry=r)
-
-    def set_stats(self, s: dict) -> None:
-        self.kv_used.set(s.get("kv_blocks_used", 0))
-        self.kv_total.set(s.get("kv_blocks_total", 0))
-        self.running.set(s.get("running", 0))
-        self.waiting.set(s.get("waiting", 0))
-        self.preemptions.set(s.get("preemptions", 0))
-        self.engine_restarts.set(s.get("restarts") or 0)
-        self.prefix_hits.set(s.get("prefix_cache_hits") or 0)
-        self.prefix_hit_rate.set((s.get("prefix_cache_hits") or 0) / max(1, s.get("prefix_cache_queries") or 0))
-        self.engine_up.set(1 if (s.get("state") or "ok") == "ok" else 0)
-        spec = s.get("speculative") or {}
-        self.verify_budget.set(s.get("verify_budget") or 0)
-        for gauge, key in ((self.verified_share, "verified_share"), (self.accepted_length, "mean_accepted_length")):
-            v = spec.get(key)
-            gauge.set(v if v is not None and v == v else 0)  # NaN (nothing drafted yet) shows as 0
-        versions = spec.get("drafter_versions") or {}
-        self.drafter_version.set(versions.get("serving_version") or 0)
-        self.drafter_live_tau.set(versions.get("live_tau") or 0)
-        if s.get("cost"):
-            self.set_ledger(s["cost"])
-
-    def set_ledger(self, ledger: dict) -> None:
-        """The cost gauges, declared from the core's one table (cost.ledger_metrics)."""
-        from prometheus_client import Gauge
-
-        for name, help_text, labels, value in ledger_metrics(ledger):
-            gauge = self._ledger.get(name)
-            if gauge is None:
-                gauge = self._ledger[name] = Gauge(name, help_text, label_names(name), registry=self.registry)
-            (gauge.labels(**labels) if labels else gauge).set(value)
+        super().__init__(PrometheusSink(declare=names("http") + names("state")))
+        self.registry = self.sink.registry
+        get = self.sink.get
+        self.ttft = get("dspark_http_time_to_first_token_seconds")
+        self.tpot = get("dspark_http_time_per_output_token_seconds")
+        self.e2e = get("dspark_http_request_latency_seconds")
+        self.requests = get("dspark_http_requests_total")
+        self.finished = get("dspark_http_choices_finished_total")
+        self.prompt_tokens = get("dspark_http_prompt_tokens_total")
+        self.generation_tokens = get("dspark_http_generation_tokens_total")
+        self.streams_open = get("dspark_http_streams_open")
 
 
 class _CountRequests:
@@ -410,15 +349,6 @@ class _LimitBody:
 
 
 @dataclass
-class _Delta:
-    text: str
-    num_tokens: int
-    finish_reason: Optional[str]
-    logprobs: Optional[list] = None  # a TokenLogprob per token of this delta
-    prompt_logprobs: Optional[list] = None  # on a choice's first delta (echo)
-
-
-@dataclass
 class _Job:
     """One choice: an engine request and where its output goes."""
 
@@ -426,6 +356,7 @@ class _Job:
     request_id: str
     num_prompt_tokens: int
     logprobs: list = field(default_factory=list)  # a TokenLogprob per output token (when asked)
+    token_texts: Optional[list] = field(default_factory=list)  # each one's text, as the output path made it (or None)
     prompt_logprobs: Optional[list] = None  # per prompt token (echo with logprobs)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""
@@ -444,7 +375,7 @@ class _Generation:
     def __init__(self, client, metrics: ServerMetrics, jobs: list[_Job], arrival: float, n: int):
         self.client, self.metrics, self.jobs, self.arrival, self.n = client, metrics, jobs, arrival, n
 
-    async def _pieces(self, job: _Job) -> AsyncIterator[_Delta]:
+    async def _pieces(self, job: _Job) -> AsyncIterator[StreamPiece]:
         async with contextlib.aclosing(self.client.stream(job.request_id)) as pieces:
             async for p in pieces:
                 now = time.monotonic()
@@ -457,13 +388,16 @@ class _Generation:
                 job.text += p.text  # stop strings were applied where the tokens were made
                 if p.logprobs:
                     job.logprobs += p.logprobs
+                    job.token_texts = None if p.token_texts is None or job.token_texts is None \
+                        else job.token_texts + p.token_texts
                 if p.prompt_logprobs is not None:
                     job.prompt_logprobs = p.prompt_logprobs
                 job.cached_tokens = p.num_cached_tokens
                 if p.finished:
                     job.finish_reason = p.finish_reason or "stop"
-                yield _Delta(p.text, len(p.token_ids), job.finish_reason if p.finished else None, p.logprobs,
-                             p.prompt_logprobs)
+                    if p.finish_reason is None:
+                        p = dataclasses.replace(p, finish_reason=job.finish_reason)
+                yield p
                 if p.finished:
                     return
 
@@ -477,8 +411,8 @@ class _Generation:
                 m.tpot.observe((j.t_last - j.t_first) / (j.num_tokens - 1))
         m.e2e.observe(time.monotonic() - self.arrival)
 
-    async def stream(self) -> AsyncIterator[tuple[int, _Delta]]:
-        """(choice index, delta) in the order they are made; closing it aborts unfinished choices."""
+    async def stream(self) -> AsyncIterator[tuple[int, StreamPiece]]:
+        """(choice index, piece) in the order they are made; closing it aborts unfinished choices."""
         try:
             if len(self.jobs) == 1:
                 job = self.jobs[0]
@@ -811,22 +745,18 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
 
     async def start(request: Request, req, prompts: list[list[int]], max_tokens: list[int],
                     prefix: str) -> tuple[str, _Generation]:
-        """Submit every choice (prompt-major, n per prompt); on a refusal abort the ones queued."""
+        """Submit every choice (prompt-major, n per prompt) in one call; a refusal queues none."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        jobs, submitted = [], []
         arrival = time.monotonic()
         params = [sampling(req, mt, i, stops) for mt in max_tokens for i in range(req.n)]
+        choices = [ids for ids in prompts for _ in range(req.n)]
+        engine_ids = [rid] if len(choices) == 1 else [f"{rid}-{index}" for index in range(len(choices))]
+        jobs = [_Job(index, engine_id, len(ids)) for index, (engine_id, ids) in enumerate(zip(engine_ids, choices))]
         try:
-            for p, ids in enumerate(prompts):
-                for i in range(req.n):
-                    index = p * req.n + i
-                    engine_id = rid if len(prompts) * req.n == 1 else f"{rid}-{index}"
-                    await client.submit(ids, params[index], engine_id)
-                    submitted.append(engine_id)
-                    jobs.append(_Job(index, engine_id, len(ids)))
+            await client.submit_many(choices, params, engine_ids)
         except BaseException as e:
-            for r in submitted:
+            for r in engine_ids:  # (cancelled while the call was on its way: they may be queued)
                 client.abort(r)
             if isinstance(e, RequestError):
                 raise APIError(400, str(e), code="invalid_value") from None
@@ -882,8 +812,9 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             metrics.streams_open.dec()
 
     # ---- log-probabilities in OpenAI's shapes ------------------------------------------------
+    @functools.lru_cache(maxsize=1 << 16)
     def token_str(token_id: int) -> str:
-        """A token's text on its own (the alternatives in top_logprobs)."""
+        """A token's text on its own (the alternatives in top_logprobs), decoded once per id."""
         tok = client.tokenizer
         return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
 
@@ -897,6 +828,11 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             return lambda ids: [token_str(t) for t in ids]
         stream = DecodeStream(skip_special_tokens=True)
         return lambda ids: [stream.step(backend, t) or "" for t in ids]
+
+    def made_texts(made: Optional[list], own):
+        """The tokens' texts as the output path made them (its DecodeStream over the output, where
+        the tokens were produced: StreamPiece.token_texts), or else (a slow tokenizer) `own`."""
+        return own if made is None else (lambda ids: made)
 
     def completion_logprobs(texts, token_ids: list[int], entries: list, offset: int = 0) -> dict:
         """/v1/completions' logprobs: tokens, token_logprobs, top_logprobs (the top alternatives and
@@ -946,13 +882,13 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         try:
             metrics.set_stats(await asyncio.wait_for(client.stats(), timeout=health_timeout_s))
         except Exception:  # noqa: BLE001 -- an engine that does not answer is down
-            metrics.engine_up.set(0)
+            metrics.set_up(False)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/drafter")
     async def drafter_status(request: Request):
         check_auth(request)
-        return _AsciiJSON(await client.drafter_status())
+        return _AsciiJSON(await client.call_utility("drafter_status"))
 
     @app.post("/admin/drafter/rollback")
     async def drafter_rollback(request: Request):
@@ -960,7 +896,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         body = await request.body()
         req = _validate(DrafterRollbackRequest, _load_json(body) if body.strip() else {})
         try:
-            return _AsciiJSON(await client.rollback_drafter(req.version))
+            return _AsciiJSON(await client.call_utility("rollback_drafter", req.version))
         except RequestError as e:
             raise APIError(400, str(e), code="invalid_value", param="version") from None
 
@@ -968,7 +904,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
     async def drafter_resume(request: Request):
         check_auth(request)
         try:
-            return _AsciiJSON(await client.resume_drafter())
+            return _AsciiJSON(await client.call_utility("resume_drafter"))
         except RequestError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
@@ -1041,11 +977,13 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                     ids, entries = prompt + ids, (d.prompt_logprobs or [None] * len(prompt)) + entries
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(texts.setdefault(index, token_texts()), ids, entries,
+                    own = texts.setdefault(index, token_texts())  # echo: one stream over the prompt, then the output
+                    logprobs = completion_logprobs(own if req.echo else made_texts(d.token_texts, own), ids, entries,
                                                    offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(text)
-                if text or d.finish_reason is not None or (logprobs and logprobs["tokens"]):
-                    yield {"index": index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                reason = d.finish_reason if d.finished else None
+                if text or reason is not None or (logprobs and logprobs["tokens"]):
+                    yield {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
             return _SSEResponse(sse_events(request, gen, base, include_usage, chunks))
 
@@ -1059,8 +997,9 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                 out_ids = [e.token_id for e in j.logprobs]
                 logprobs = completion_logprobs(token_texts(), prompt + out_ids,
                                                (j.prompt_logprobs or [None] * len(prompt)) + j.logprobs) \
-                    if req.echo else completion_logprobs(token_texts(), out_ids, j.logprobs)
-            choices.append({"index": j.index, "text": head + j.text, "logprobs": logprobs, "finish_reason": j.finish_reason})
+                    if req.echo else completion_logprobs(made_texts(j.token_texts, token_texts()), out_ids, j.logprobs)
+            choices.append({"index": j.index, "text": head + j.text, "logprobs": logprobs,
+                            "finish_reason": j.finish_reason})
         return {**base, "choices": choices, "usage": gen.usage()}
 
     def prepare_chat(body: bytes) -> tuple[ChatCompletionRequest, list[int]]:
@@ -1118,10 +1057,13 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             texts: dict = {}  # choice -> its token_texts()
 
             def chunks(index, d):
-                logprobs = chat_logprobs(texts.setdefault(index, token_texts()), d.logprobs or []) if req.logprobs else None
+                logprobs = None
+                if req.logprobs:
+                    logprobs = chat_logprobs(made_texts(d.token_texts, texts.setdefault(index, token_texts())),
+                                             d.logprobs or [])
                 if d.text or (logprobs and logprobs["content"]):
                     yield {"index": index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": None}
-                if d.finish_reason is not None:
+                if d.finished:
                     yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
 
             role = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -1130,7 +1072,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
 
         jobs = await collect_unless_gone(request, gen)
         choices = [{"index": j.index, "message": {"role": "assistant", "content": j.text},
-                    "logprobs": chat_logprobs(token_texts(), j.logprobs) if req.logprobs else None,
+                    "logprobs": chat_logprobs(made_texts(j.token_texts, token_texts()), j.logprobs) if req.logprobs
+                    else None,
                     "finish_reason": j.finish_reason} for j in jobs]
         return {**base, "choices": choices, "usage": gen.usage()}
 

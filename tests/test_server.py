@@ -674,12 +674,13 @@ class StubClient:
         self.tokenizer, self.max_model_len, self.model_path = tokenizer, MAX_MODEL_LEN, "stub"
         self._stats, self.submit_error, self.stream_error = stats, submit_error, stream_error
         self.pieces_before_error = pieces_before_error
-        self.aborted = []
+        self.aborted, self.submitted = [], []  # submitted: the ids of each submit_many call
 
-    async def submit(self, prompt, params=None, request_id=None):
+    async def submit_many(self, prompts, params, request_ids=None):
         if self.submit_error is not None:
             raise self.submit_error
-        return request_id
+        self.submitted.append(list(request_ids))
+        return list(request_ids)
 
     async def stream(self, request_id):
         for _ in range(self.pieces_before_error):
@@ -770,6 +771,19 @@ def test_errors_do_not_leak_internals(served, caplog):
         _no_secrets(r.text)
         assert any("pid=123" in str(rec.exc_info) for rec in caplog.records)
     _still_serving(served)
+
+
+def test_n_choices_of_every_prompt_are_submitted_in_one_call(served):
+    """Prompt-major, n per prompt, named by choice: one submit_many (one round trip to a Router)."""
+    from fastapi.testclient import TestClient
+
+    stub = StubClient(served.client.tokenizer)
+    with TestClient(build_app(stub, MODEL)) as tc:
+        r = tc.post("/v1/completions", json={"model": MODEL, "prompt": ["w1 w2", "w3"], "max_tokens": 2, "n": 3})
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == list(range(6))
+    assert len(stub.submitted) == 1
+    rid = r.json()["id"]
+    assert stub.submitted[0] == [f"{rid}-{i}" for i in range(6)]
 
 
 def test_health_is_503_unless_the_engine_is_ok(served):
