@@ -159,12 +159,16 @@ class AsyncEngine:
                 self._stepper = loop.create_task(self._step_in_loop(), name="dspark-engine")
             self._kicked.set()
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self):
+        """The commands queued now, each taken off the queue as it is handed out."""
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, arg in self._queued_commands():
             try:
                 self._command(kind, arg)
             except Exception as e:  # noqa: BLE001 -- a command never stops the step thread
@@ -189,11 +193,7 @@ class AsyncEngine:
 
     def _fail_commands(self) -> None:
         """The step thread stops: calls still queued fail instead of waiting forever."""
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._queued_commands():
             if kind == "call":
                 arg[2].set_exception(EngineError(f"the engine stopped: {self._error}" if self._error is not None
                                                  else "the engine has shut down"))
