@@ -12,16 +12,15 @@ import torch
 
 
 class Calibrator:
-    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, first_version: int = 1):
+    def __init__(self, cfg, device: str = "cpu", threads: int = 1, first_version: int = 1):
+        """`cfg`: a speculative.drafter_config.DrafterConfig (validated in the Router's process)."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
-        from dspark_cluster.config import load_config
-        from dspark_cluster.model.spec import load_spec
-        from dspark_cluster.speculative.calibration import CalibrationLoop, Calibrator as CoreCalibrator
+        from dspark_cluster.speculative.calibrator import CalibrationLoop, Calibrator as CoreCalibrator
 
-        self.cfg = load_config(cfg)
+        self.cfg = cfg
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
-        self.core = CoreCalibrator(self.cfg, load_spec(self.cfg.model.path, self.cfg.model.dtype), dev,
+        self.core = CoreCalibrator(cfg, cfg.target_spec, dev,
                                    first_version=first_version)
         self.loop = CalibrationLoop(self.core, self.cfg.speculative.calibration.interval_s)
 

@@ -5,7 +5,8 @@ gives it back as itself (an instance of its own class, Ray's remote traceback in
 own failures (a dead actor or node, a timeout, a closed channel) have no such cause. The rule:
 
 - the remote code raised one of this package's errors (DSparkError: ConfigError, CheckpointError,
-  RequestError, ...): it is raised as itself;
+  RequestError, ...): it is raised as itself (the original exception, its message without Ray's
+  traceback: these messages are written for users);
 - it raised anything else: `failed(e)` when the caller gives one, else Ray's error as it is;
 - Ray failed: `lost(e)` when the caller gives one, else Ray's error as it is.
 """
@@ -30,10 +31,9 @@ def unwrap(e: BaseException, failed: Optional[Callable] = None, lost: Optional[C
     """What to raise for a Ray error `e` (the rule above)."""
     from ray.exceptions import RayError
 
-    cause = remote_error(e)
-    if cause is not None:
-        if isinstance(cause, DSparkError):
-            return cause
+    if isinstance(getattr(e, "cause", None), DSparkError):
+        return e.cause  # the error itself: its message is meant for users, without Ray's traceback
+    if remote_error(e) is not None:
         return failed(e) if failed is not None else e
     if isinstance(e, RayError) and lost is not None:
         return lost(e)

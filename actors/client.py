@@ -21,24 +21,25 @@ from ray.exceptions import RayError
 
 from dspark_cluster.client import EngineClient
 from dspark_cluster.config import Config
-from dspark_cluster.errors import DSparkError, EngineError, RequestError
+from dspark_cluster.errors import EngineError, RequestError
 from dspark_cluster.input_processor import load_tokenizer
 from dspark_cluster.outputs import RequestOutput, StreamPiece
 
+from .calls import unwrap
 from .cluster import ray_get, start_router, stop_router
 
 log = logging.getLogger(__name__)
 
 
-def _unwrap_ray_error(e: BaseException) -> BaseException:
-    """A RayTaskError whose cause is one of this package's errors -> that error, as itself; any
-    other Ray error (a dead Router: its text names actors, PIDs, addresses) -> an EngineError that
-    names only the problem, the details going to the log."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, DSparkError):
-        return cause
+def _router_failed(e: BaseException) -> EngineError:
+    """A Router failure other than one of this package's errors (a dead Router: its text names
+    actors, PIDs, addresses) -> an EngineError that names only the problem; the details go to the log."""
     log.error("the router failed: %s: %s", type(e).__name__, e)
     return EngineError(f"the router failed ({type(e).__name__}); see the server log")
+
+
+def _unwrap_ray_error(e: BaseException) -> BaseException:
+    return unwrap(e, failed=_router_failed, lost=_router_failed)
 
 
 class RouterClient(EngineClient):

@@ -20,13 +20,12 @@ CONTEXT_WAIT_S = 0.05
 
 
 class Drafter:
-    def __init__(self, cfg: dict, device: str = "cpu", threads: int = 1, rank: int = 0, world_size: int = 1,
+    def __init__(self, cfg, device: str = "cpu", threads: int = 1, rank: int = 0, world_size: int = 1,
                  calibrator: str = None):
+        """`cfg`: a speculative.drafter_config.DrafterConfig (validated in the Router's process)."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
-        from dspark_cluster.config import load_config
-
-        self.cfg = load_config(cfg)
+        self.cfg = cfg
         self.device_kind = device
         self.rank, self.world_size = rank, world_size
         self.state = self.proposer = None
@@ -46,7 +45,6 @@ class Drafter:
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the drafter world and load this rank's shard of the draft model. Returns report()."""
-        from dspark_cluster.model.spec import load_spec
         from dspark_cluster.speculative.proposers import make_proposer
         from parallel.comm import TensorParallelComm
         from parallel.state import init_parallel
@@ -55,11 +53,11 @@ class Drafter:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.device = torch.device("cuda", 0) if self.device_kind == "cuda" else torch.device("cpu")
         # drafters that fell back to CPU (too few GPUs) talk over gloo whatever the target uses
-        backend = cfg.parallel.backend if self.device.type == "cuda" else "gloo"
+        backend = cfg.backend if self.device.type == "cuda" else "gloo"
         self.state = init_parallel(self.rank, self.world_size, cfg.speculative.draft_tensor, master_addr, master_port,
                                    backend, self.device)
         self.comm = TensorParallelComm(self.state)
-        self.proposer = make_proposer(cfg, load_spec(cfg.model.path, cfg.model.dtype), self.device, self.comm)
+        self.proposer = make_proposer(cfg, cfg.target_spec, self.device, self.comm)
         return self.report()
 
     def report(self) -> dict:

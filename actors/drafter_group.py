@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_cluster.cost import device_kind
 from dspark_cluster.errors import ConfigError
+from dspark_cluster.speculative.drafter_config import DrafterConfig
 from dspark_cluster.speculative.proposers import DraftRequest
 from dspark_cluster.speculative.records import Proposal
 
@@ -65,7 +66,8 @@ class RayDrafterGroup:
 
     restartable = True
 
-    def __init__(self, cfg, timeout_s: float = 30.0, startup_timeout_s: float = 300.0, first_version: int = 1):
+    def __init__(self, cfg, target_spec, timeout_s: float = 30.0, startup_timeout_s: float = 300.0,
+                 first_version: int = 1):
         self._ray, self._remove_pg = ray, remove_placement_group
         self.timeout_s = timeout_s
         self._cand_ref, self._cand_t, self._staging = None, 0.0, None  # online calibration: a candidate on its way
@@ -73,6 +75,7 @@ class RayDrafterGroup:
         self.actors, self.placement_groups, self.groups, self.reports, self.names = [], [], [], [], []
         self.calibrator = None
         device = check_drafter_resources(cfg, ray)
+        narrow = DrafterConfig.of(cfg, target_spec)  # what the actors need, validated here once
         bundle = {"GPU": 1} if device == "cuda" else {"CPU": 1}
         threads = cfg.parallel.threads_per_worker or 1
         cls = ray.remote(Drafter)
@@ -98,7 +101,7 @@ class RayDrafterGroup:
                 self.calibrator_device = cal_device
                 self.calibrator = ray.remote(Calibrator).options(
                     name=calibrator_name, max_concurrency=4, num_cpus=1 if cal_device == "cpu" else 0,
-                    num_gpus=1 if cal_device == "cuda" else 0).remote(cfg.to_dict(), cal_device, threads, first_version)
+                    num_gpus=1 if cal_device == "cuda" else 0).remote(narrow, cal_device, threads, first_version)
             # a DSpark drafter also takes context rows from the target's workers while a proposal waits for them
             concurrency = 2 if cfg.speculative.method == "dspark" else 1
             for rank in range(n):
@@ -108,7 +111,7 @@ class RayDrafterGroup:
                     num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_groups[rank // tp], placement_group_bundle_index=rank % tp),
-                ).remote(cfg.to_dict(), device, threads, rank, n, calibrator_name))
+                ).remote(narrow, device, threads, rank, n, calibrator_name))
             self.groups = [self.actors[g * tp : (g + 1) * tp] for g in range(n // tp)]
             self._versions = [0] * len(self.groups)  # the drafter version each group serves
             # the drafters' own rendezvous, on drafter rank 0's node (the target's world has another)

@@ -266,7 +266,7 @@ class AsyncEngine:
         gets each piece (or error) in this event loop, instead of stream()/result()."""
         self._check_up()
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        seqs = [self.engine.make_sequence(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        seqs = [self.engine.inputs.make_sequence(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
         seen: set = set()
         for s in seqs:
             rid = s.request_id

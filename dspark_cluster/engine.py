@@ -153,16 +153,9 @@ class LLMEngine:
         return self.speculation.planner if self.speculation is not None else None
 
     # ---- requests -------------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        return self.inputs.encode(prompt)
-
-    def make_sequence(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> Sequence:
-        """Validation without touching the scheduler (safe from another thread)."""
-        return self.inputs.make_sequence(prompt, params, request_id)
-
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
         """Validate and queue a request; raises RequestError naming what is wrong."""
-        seq = self.make_sequence(prompt, params, request_id)
+        seq = self.inputs.make_sequence(prompt, params, request_id)
         self.enqueue(seq)
         return seq.request_id
 

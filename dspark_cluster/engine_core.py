@@ -52,7 +52,7 @@ class EngineCore:
         self.num_finished = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence made by engine.make_sequence (validated)."""
+        """Queue a sequence made by engine.inputs.make_sequence (validated)."""
         self.engine.enqueue(seq)  # raises RequestError for an id in use, before anything is kept
         out = OutputProcessor(self.tokenizer, seq.params.stop, token_texts=seq.params.logprobs is not None)
         self._live[seq.request_id] = _Live(seq, out)

@@ -14,6 +14,15 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 
+class PromptError(RequestError):
+    """The prompt is refused (empty, ids outside the vocabulary, too long): the one check of it,
+    for `LLM` and the HTTP server alike (which answers it naming the field the client sent)."""
+
+
+class PromptTooLongError(PromptError):
+    """The prompt leaves no room in the context (max_model_len) for a new token."""
+
+
 def load_tokenizer(path) -> Optional[object]:
     """The checkpoint's tokenizer, or None when it ships none (then prompts must be token ids)."""
     p = Path(path)
@@ -47,13 +56,13 @@ class InputProcessor:
     def encode(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("prompt: got text, but the checkpoint has no tokenizer; pass token ids (list[int])")
+                raise PromptError("prompt: got text, but the checkpoint has no tokenizer; pass token ids (list[int])")
             return list(self.tokenizer(prompt)["input_ids"])
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError(f"prompt: got {type(prompt).__name__}; expected a string or a list of token ids")
+            raise PromptError(f"prompt: got {type(prompt).__name__}; expected a string or a list of token ids")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise PromptError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
     def make_sequence(self, prompt, params: Optional[SamplingParams] = None,
@@ -67,14 +76,14 @@ class InputProcessor:
                                "(0 = no top-k filter)")
         ids = self.encode(prompt)
         if not ids:
-            raise RequestError("prompt: empty; give at least one token")
+            raise PromptError("prompt: empty; give at least one token")
         if len(ids) >= self.max_model_len:
-            raise RequestError(
+            raise PromptTooLongError(
                 f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one new token); shorten the prompt or raise scheduler.max_model_len"
             )
         if len(ids) + 1 > self.kv_capacity:
-            raise RequestError(
+            raise PromptError(
                 f"prompt: {len(ids)} tokens do not fit the KV cache ({self.kv_capacity} tokens); "
                 "raise scheduler.kv_cache_memory or num_kv_blocks"
             )

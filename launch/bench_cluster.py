@@ -463,16 +463,13 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from dspark_cluster.kv_cache import BlockManager, allocate_kv_cache
-    from dspark_cluster.model.loader import load_model
-    from dspark_cluster.placement import default_placement
+    from dspark_cluster.config import load_config
+    from dspark_cluster.kv_cache import BlockManager
     from dspark_cluster.sampling import SamplingParams as SP
     from dspark_cluster.scheduler import Scheduler
     from dspark_cluster.sequence import Sequence
     from dspark_cluster.step_builder import build_step_input
-    from dspark_cluster.step_exec import execute_step
-    from parallel.comm import TensorParallelComm
-    from parallel.expert_parallel import ExpertParallelDispatch
+    from dspark_cluster.worker import Worker, WorkerConfig
     from parallel.state import init_parallel, shutdown_parallel
 
     comm_time = {"all_reduce": 0.0, "all_gather": 0.0, "all_to_all_single": 0.0}
@@ -490,18 +487,12 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
         setattr(dist, name, timed(name, getattr(dist, name)))
     state = init_parallel(rank, world, world, "127.0.0.1", port, "gloo", torch.device("cpu"))
     spec = load_spec(path, "float32")
-    num_moe = sum(spec.moe_layers)
-    expert_ids, placement = None, None
-    if world > 1:
-        placement = default_placement(num_moe, spec.num_experts, world, 0)
-        expert_ids = [placement.rank_experts(layer, rank) for layer in range(num_moe)]
-    model = load_model(path, spec, TensorParallelComm(state), expert_ids, device=torch.device("cpu"))
-    if world > 1:
-        for layer, moe in enumerate(model.moe_layers):
-            moe.dispatch = ExpertParallelDispatch(state, placement, layer)
     block = 16
+    cfg = load_config({"model": {"path": path, "dtype": "float32"}, "scheduler": {"block_size": block}})
+    # the ShardWorker's own worker (shard, expert slots, dispatch), only not behind Ray
+    worker = Worker(WorkerConfig.of(cfg), spec, "cpu", rank, world, state)
     blocks = n_prompts * (-(-(prompt_len + 1) // block)) + 4
-    allocate_kv_cache(model, blocks, block, torch.device("cpu"))
+    worker.allocate_kv(blocks)
     prompts = random_prompts([prompt_len] * n_prompts, spec.vocab_size, seed=2)
     times, comms = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
@@ -514,7 +505,7 @@ def _spmd_worker(rank, world, port, path, n_prompts, prompt_len, repeats, q):
         dist.barrier()
         c0 = dict(comm_time)
         t0 = time.perf_counter()
-        execute_step(model, step, torch.device("cpu"), sample_tokens=rank == 0)
+        worker.execute(step)
         dist.barrier()
         times.append(time.perf_counter() - t0)
         comms.append({k: comm_time[k] - c0[k] for k in comm_time})

@@ -11,8 +11,8 @@ import torch
 from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.config import ASSETS_DIR
 from dspark_cluster.errors import ConfigError, RequestError
-from dspark_cluster.speculative.calibration import (Candidate, DrafterVersions, ReplayBuffer, SequenceSample,
-                                                    filter_sample, topk_law_distances)
+from dspark_cluster.speculative.calibration import ReplayBuffer, SequenceSample, filter_sample, topk_law_distances
+from dspark_cluster.speculative.calibrator import Candidate, DrafterVersions
 from dspark_cluster.speculative.records import RoundRecords
 
 from conftest import build_dspark, random_prompts

@@ -1,4 +1,4 @@
-"""EPLB policy (dspark_cluster/eplb.py): hand-checked cases, properties on seeded random and Zipf
+"""EPLB policy (dspark_cluster/eplb.py, eplb_packing.py): hand-checked cases, properties on seeded random and Zipf
 loads for both policies, DeepSeek EPLB's README example, and the refinement against plain greedy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_cluster import eplb
+from dspark_cluster import eplb_packing
 from dspark_cluster.eplb import balancedness, imbalance, rank_load, rebalance
 
 # DeepSeek EPLB README example: weight, 16 physical experts, 4 groups, 2 nodes, 8 GPUs, and the
@@ -159,11 +159,11 @@ def test_unstick_moves_a_replica_when_every_open_rank_holds_the_expert(monkeypat
     # greedy fills ranks 1 and 2 with the 10s and 5s while rank 0 carries the 100; the two
     # replicas of expert 7 then find only rank 0 open: one replica must move out of a full rank
     calls = []
-    real = eplb._unstick
-    monkeypatch.setattr(eplb, "_unstick", lambda *a: (calls.append(1), real(*a))[1])
+    real = eplb_packing._unstick
+    monkeypatch.setattr(eplb_packing, "_unstick", lambda *a: (calls.append(1), real(*a))[1])
     w = np.array([[100, 10, 10, 10, 10, 5, 5, 1, 1.0]])
     items = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 7]])
-    bins = eplb._greedy_pack(w, items, 8, 3)
+    bins = eplb_packing._greedy_pack(w, items, 8, 3)
     assert calls
     assert np.bincount(bins[0], minlength=3).tolist() == [3, 3, 3]
     for b in range(3):

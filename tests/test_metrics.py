@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 import actors.metrics as ray_metrics
 from dspark_cluster.cost import TOKEN_KINDS
 from dspark_cluster.metrics import METRICS, EngineMetrics, PrometheusSink, names
-from dspark_cluster.server import ServerMetrics
+from dspark_cluster.http_edge import ServerMetrics
 
 STATS = {"state": "ok", "restarts": 1, "kv_blocks_used": 3, "kv_blocks_total": 64, "running": 2, "waiting": 1,
          "preemptions": 4, "prefix_cache_hits": 30, "prefix_cache_queries": 120, "verify_budget": 17,

@@ -366,11 +366,11 @@ def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):
 
     before = drafter_names()
     with pytest.raises(ConfigError, match="speculative.draft_workers: got 12"):  # 12 + 1 > 8 CPUs
-        RayDrafterGroup(cfg(12, 4))
+        RayDrafterGroup(cfg(12, 4), load_spec(target))
     assert drafter_names() == before  # refused before any drafter started
     whole = DraftModelProposer(draft, load_spec(target), block_size=4)  # the draft_tensor = 1 drafter
     full = whole.memory_report()
-    group = RayDrafterGroup(cfg(4, 2))
+    group = RayDrafterGroup(cfg(4, 2), load_spec(target))
     try:
         reports = group.reports
         assert [r["rank"] for r in reports] == [0, 1, 2, 3]

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 
 from dspark_cluster import LLM, SamplingParams
 from dspark_cluster.report import format_summary, write_report
-from dspark_cluster.server import ServerMetrics
+from dspark_cluster.http_edge import ServerMetrics
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts
 from dspark_cluster.speculative.records import Proposal
 from dspark_cluster.speculative.confidence import apply_temperatures, ece, ece_by_position, fit_sts, survival

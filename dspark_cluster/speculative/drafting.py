@@ -32,7 +32,7 @@ from typing import Optional
 
 from ..errors import RequestError
 from ..backends import backend
-from .calibration import CalibrationLoop, Calibrator, DrafterVersions
+from .calibrator import CalibrationLoop, Calibrator, DrafterVersions
 from .dspark_model import DSparkConfig
 from .proposers import DraftRequest, make_proposer
 from .records import Proposal
@@ -149,7 +149,7 @@ def make_drafter_group(cfg, target_spec, device="cpu", first_version: int = 1):
     versions on from `first_version`)."""
     if cfg.parallel.executor == "local":
         return LocalDrafterGroup(cfg, target_spec, device)
-    return backend(cfg.parallel.executor).DrafterGroup(cfg, first_version=first_version)
+    return backend(cfg.parallel.executor).DrafterGroup(cfg, target_spec, first_version=first_version)
 
 
 class Drafter:
