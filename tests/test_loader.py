@@ -34,10 +34,16 @@ def test_shard_reads_only_its_slices(arch, checkpoint):
     shard = load_model(path, spec, ShardInfo(1, 2), expert_ids=[experts] * sum(spec.moe_layers))
     params = dict(shard.named_parameters())
     # split tensors hold the rank's half, replicated ones the whole tensor, experts only their own
+    # q is packed (with k and v: qkv_proj) or has its rope rows in rotate_half's order (q_b_proj)
     q = "q_b_proj" if arch == "deepseek_v3" else "q_proj"
-    name = f"model.layers.1.self_attn.{q}.weight"
-    ref = full[name]
-    assert torch.equal(params[name], ref[ref.shape[0] // 2 :])
+    ref = full[f"model.layers.1.self_attn.{q}.weight"]
+    packed = shard.get_submodule(f"model.layers.1.self_attn.{'q_b_proj' if arch == 'deepseek_v3' else 'qkv_proj'}")
+    part = packed.parts[0]
+    assert part.name == q
+    half = ref[ref.shape[0] // 2 :]
+    if part.row_order is not None:
+        half = half[part.row_order]
+    assert torch.equal(packed.weight[: part.size], half)
     o = full["model.layers.1.self_attn.o_proj.weight"]
     assert torch.equal(params["model.layers.1.self_attn.o_proj.weight"], o[:, o.shape[1] // 2 :])
     assert torch.equal(params["model.norm.weight"], full["model.norm.weight"])

@@ -99,23 +99,21 @@ def _topology(name, hf_home, tmp_path):
 
 # shipped topology -> (device memory, per-rank shapes that must hold, ranks)
 TOPOLOGIES = {
-    "qwen3-30b-a3b-1gpu": (H200, 1, {"model.layers.0.self_attn.q_proj.weight": (4096, 2048),
-                                     "model.layers.0.self_attn.k_proj.weight": (512, 2048),
+    # q, k, v packed: (q + 2 kv) rows; gate and up packed: 2 x intermediate rows
+    "qwen3-30b-a3b-1gpu": (H200, 1, {"model.layers.0.self_attn.qkv_proj.weight": (4096 + 2 * 512, 2048),
                                      "model.layers.0.mlp.w13": (128, 1536, 2048)}),
-    "qwen3-30b-a3b-2gpu": (H200, 2, {"model.layers.0.self_attn.q_proj.weight": (2048, 2048),
-                                     "model.layers.0.self_attn.k_proj.weight": (256, 2048),
+    "qwen3-30b-a3b-2gpu": (H200, 2, {"model.layers.0.self_attn.qkv_proj.weight": (2048 + 2 * 256, 2048),
                                      "model.layers.0.mlp.w13": (68, 1536, 2048),  # (128 + 8) / 2 slots
                                      "lm_head.weight": (75968, 2048)}),
     "qwen3-30b-a3b-dspark": (H200, 2, {"model.layers.47.mlp.w2": (68, 2048, 768)}),
-    "mixtral-8x7b-tp4": (H100, 4, {"model.layers.0.self_attn.q_proj.weight": (1024, 4096),
-                                   "model.layers.0.self_attn.k_proj.weight": (256, 4096),
+    "mixtral-8x7b-tp4": (H100, 4, {"model.layers.0.self_attn.qkv_proj.weight": (1024 + 2 * 256, 4096),
                                    "model.layers.0.self_attn.o_proj.weight": (4096, 1024),
                                    "model.layers.0.mlp.w13": (2, 28672, 4096)}),
     "deepseek-v3-fp8-2x8-h200": (H200, 16, {"model.layers.0.self_attn.q_b_proj.weight": (128 * 192, 1536),
                                             "model.layers.0.self_attn.kv_b_proj.weight": (128 * 256, 512),
-                                            "model.layers.0.mlp.gate_proj.weight": (18432, 7168),
+                                            "model.layers.0.mlp.gate_up_proj.weight": (2 * 18432, 7168),
                                             "model.layers.3.mlp.w13": (17, 4096, 7168),  # (256 + 16) / 16
-                                            "model.layers.3.mlp.shared.gate_proj.weight": (2048, 7168),
+                                            "model.layers.3.mlp.shared.gate_up_proj.weight": (2 * 2048, 7168),
                                             "model.embed_tokens.weight": (129280, 7168)}),
 }
 

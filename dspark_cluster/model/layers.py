@@ -8,6 +8,9 @@ Parameter names follow the HF checkpoints so the loader maps names one to one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,38 +33,61 @@ class LocalComm:
 
 
 class RMSNorm(nn.Module):
+    """RMS norm as transformers computes it: normalised in fp32, cast back, then scaled. A float32
+    input takes one fused op (`F.rms_norm`); `forward(x, residual)` adds the residual first and
+    returns (normed, x + residual), the pre-norm layer's two ops in one call."""
+
     def __init__(self, dim, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:
+            out = self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return out if residual is None else (out, x)
 
 
 def rope_cos_sin(positions, inv_freq, scaling: float = 1.0, dtype=None):
-    """positions [..., T] -> cos, sin [..., T, D] as cat(freqs, freqs), times the attention
-    scaling, in `dtype` (None: fp32)."""
+    """positions [..., T] -> cos, sin [..., T, 1, D] (a head axis to broadcast over), times the
+    attention scaling, in `dtype` (None: fp32). `sin` carries rotate_half's sign (its first half
+    negated), so that `apply_rope` is x * cos + roll(x, D/2) * sin: three ops and a roll."""
     freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    cos, sin = torch.cat([cos, cos], dim=-1)[..., None, :], torch.cat([-sin, sin], dim=-1)[..., None, :]
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
-def apply_rope(x, cos, sin, interleave=False):
-    """x [..., T, H, D]; cos/sin [..., T, D] from `rope_cos_sin`. Computed in cos's dtype where it
-    is wider than x's, and returned in x's. Interleaved checkpoints (DeepSeek) pair channels
-    (0,1),(2,3)...; they are de-interleaved first, as transformers does, so q and k share one
-    layout and the dot products are unchanged."""
-    if interleave:
-        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+def apply_rope(x, cos, sin):
+    """x [..., T, H, D]; cos/sin [..., T, 1, D] from `rope_cos_sin`, rotating channel pairs
+    (i, i + D/2) (rotate_half; interleaved checkpoints have their rows reordered at load, see
+    `deinterleave_rows`). Computed in cos's dtype where it is wider than x's, returned in x's."""
+    out = x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def deinterleave_rows(rope_dim: int) -> torch.Tensor:
+    """Row order that turns an interleaved rope projection (DeepSeek: channel pairs (0,1),(2,3)...)
+    into rotate_half's layout (pairs (i, i + D/2)): what transformers does to q and k at every step,
+    done once to the weights. Applied to q's and k's rope rows alike, it leaves q.k unchanged."""
+    return torch.cat([torch.arange(0, rope_dim, 2, device="cpu"), torch.arange(1, rope_dim, 2, device="cpu")])
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint projection packed into a `PackedLinear`: its module name in the checkpoint,
+    the rows this rank holds, how many ranks hold the same rows (KV heads fewer than ranks), whether
+    it is split over the TP ranks at all, and an optional reordering of the rows read."""
+
+    name: str
+    size: int
+    share: int = 1
+    split: bool = True
+    row_order: Optional[torch.Tensor] = None
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -74,6 +100,20 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=False, share=1):
         super().__init__(in_features, out_features, bias=bias)
         self.share = share
+
+
+class PackedLinear(nn.Linear):
+    """Several checkpoint projections of the same input as one matmul (q/k/v, gate/up, DeepSeek's
+    q_a and kv_a): the rows of each `Part`, this rank's slice of each when it is split, one after
+    another. The loader fills each part from its own checkpoint tensor (nano-vllm's packed modules)."""
+
+    shard_dim = 0
+    share = 1
+
+    def __init__(self, in_features, parts, bias=False):
+        super().__init__(in_features, sum(p.size for p in parts), bias=bias)
+        self.parts = tuple(parts)
+        self.sizes = [p.size for p in parts]
 
 
 class RowParallelLinear(nn.Linear):
@@ -91,19 +131,19 @@ def _split(n, comm, what):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP; gate/up column-split, down row-split (reduced by the caller's comm)."""
+    """SwiGLU MLP; gate and up packed into one column-split matmul, down row-split (reduced by the
+    caller's comm)."""
 
     def __init__(self, hidden, intermediate, comm, names=("gate_proj", "up_proj", "down_proj")):
         super().__init__()
         inter = _split(intermediate, comm, "intermediate_size")
-        self.names = names
-        setattr(self, names[0], ColumnParallelLinear(hidden, inter))
-        setattr(self, names[1], ColumnParallelLinear(hidden, inter))
+        self.gate_up_proj = PackedLinear(hidden, [Part(names[0], inter), Part(names[1], inter)])
         setattr(self, names[2], RowParallelLinear(inter, hidden, bias=False))
+        self.down_name = names[2]
 
     def forward(self, x):  # partial sum over TP ranks
-        g, u, d = (getattr(self, n) for n in self.names)
-        return d(F.silu(g(x)) * u(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return getattr(self, self.down_name)(F.silu(gate) * up)
 
 
 class GQAAttention(nn.Module):
@@ -119,9 +159,8 @@ class GQAAttention(nn.Module):
         self.scale = spec.softmax_scale
         H, D = spec.hidden_size, spec.head_dim
         share = max(1, comm.tp_size // spec.num_kv_heads)  # ranks per KV head when heads < ranks
-        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, bias=spec.qkv_bias)
-        self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, bias=spec.qkv_bias, share=share)
-        self.v_proj = ColumnParallelLinear(H, self.num_kv_heads * D, bias=spec.qkv_bias, share=share)
+        self.qkv_proj = PackedLinear(H, [Part("q_proj", self.num_heads * D), Part("k_proj", self.num_kv_heads * D, share),
+                                         Part("v_proj", self.num_kv_heads * D, share)], bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * D, H, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(D, spec.rms_norm_eps)
@@ -134,12 +173,15 @@ class GQAAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        Hq, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, Hq + 2 * Hkv, self.head_dim)
+        q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
+        else:  # q and k side by side in the packed output: one rotation for both
+            qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)
+        q, k = qk.split([Hq, Hkv], dim=1)
         out = paged_attention(q, k, v, self.kv_cache[0], self.kv_cache[1], meta, self.scale)
         out = F.linear(out.reshape(T, -1), self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
@@ -148,7 +190,8 @@ class GQAAttention(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek multi-head latent attention. The cache holds the compressed latent and the shared
     rope key per token ([kv_lora_rank + rope_dim]); the up-projection kv_b_proj is absorbed into
-    the query and the output, so attention runs as one-head MQA over the latent."""
+    the query and the output, so attention runs as one-head MQA over the latent. The projections
+    of x (q_a and kv_a) are one packed matmul; interleaved rope rows are reordered at load."""
 
     def __init__(self, spec: ModelSpec, comm):
         super().__init__()
@@ -157,16 +200,23 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.vdim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         self.rank = spec.kv_lora_rank
         self.scale = spec.softmax_scale
-        self.interleave = spec.rope_interleave
         H, qk = spec.hidden_size, spec.qk_nope_head_dim + spec.qk_rope_head_dim
-        if spec.q_lora_rank:
-            self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=spec.o_bias)
-            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, self.num_heads * qk)
-        else:
-            self.q_proj = ColumnParallelLinear(H, self.num_heads * qk)
+        # rows of one head (q) / of the latent + rope key (kv_a) in rotate_half's rope layout
+        q_rows = kv_rows = None
+        if spec.rope_interleave:
+            # on the CPU even while the model is built on the meta device: the loader reads them
+            head = torch.cat([torch.arange(self.nope, device="cpu"), self.nope + deinterleave_rows(self.rope)])
+            q_rows = (torch.arange(self.num_heads, device="cpu")[:, None] * qk + head).flatten()
+            kv_rows = torch.cat([torch.arange(self.rank, device="cpu"), self.rank + deinterleave_rows(self.rope)])
+        kv_a = Part("kv_a_proj_with_mqa", self.rank + self.rope, split=False, row_order=kv_rows)
         self.q_lora = bool(spec.q_lora_rank)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope, bias=spec.o_bias)
+        if self.q_lora:
+            self.qkv_a_proj = PackedLinear(H, [Part("q_a_proj", spec.q_lora_rank, split=False), kv_a], bias=spec.o_bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
+            self.q_b_proj = PackedLinear(spec.q_lora_rank, [Part("q_b_proj", self.num_heads * qk, row_order=q_rows)])
+        else:
+            self.q_proj = PackedLinear(H, [Part("q_proj", self.num_heads * qk, row_order=q_rows)])
+            self.qkv_a_proj = PackedLinear(H, [kv_a], bias=spec.o_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, spec.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.rank, self.num_heads * (self.nope + self.vdim))
         self.o_proj = RowParallelLinear(self.num_heads * self.vdim, H, bias=spec.o_bias)
@@ -176,22 +226,22 @@ class MLAttention(nn.Module):
         return [(num_blocks, block_size, 1, self.rank + self.rope)]
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
-        T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(T, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        T, Hh = x.shape[0], self.num_heads
+        if self.q_lora:
+            q_a, latent, k_pe = self.qkv_a_proj(x).split([self.qkv_a_proj.sizes[0], self.rank, self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            latent, k_pe = self.qkv_a_proj(x).split([self.rank, self.rope], dim=-1)
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(T, Hh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
-        k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.interleave)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.vdim, self.rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        k_new = torch.cat([latent[:, None, :], k_pe], dim=-1)  # [T, 1, rank + rope]
-        out = paged_attention(
-            torch.cat([q_latent, q_pe], dim=-1), k_new, latent[:, None, :], self.kv_cache[0], None, meta, self.scale
-        )  # [T, H, rank]
-        out = torch.einsum("thr,hvr->thv", out, w_uv).reshape(T, -1)
+        pe = apply_rope(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)  # q's heads and the shared key
+        w = self.kv_b_proj.weight.view(Hh, self.nope + self.vdim, self.rank)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope]).transpose(0, 1)  # [T, H, rank]
+        k_new = torch.cat([latent[:, None, :], pe[:, Hh:]], dim=-1)  # [T, 1, rank + rope]
+        out = paged_attention(torch.cat([q_latent, pe[:, :Hh]], dim=-1), k_new, latent[:, None, :],
+                              self.kv_cache[0], None, meta, self.scale)  # [T, H, rank]
+        out = torch.bmm(out.transpose(0, 1), w[:, self.nope :].transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         out = F.linear(out, self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
 
@@ -230,36 +280,24 @@ def run_experts(xs, slots, w13, w2):
     xs [N, H]; slots [N] long in [0, n_slots); w13 [n_slots, 2I, H]; w2 [n_slots, H, I].
     Returns (ys [N, H] unweighted expert outputs, counts [n_slots] rows per slot).
 
-    Rows are sorted by slot and each projection is one batched call over all slots: a bmm over
-    slots padded to the fullest one when that at most doubles the work (decode batches), else a
-    grouped matmul (slot e multiplies rows offs[e-1]:offs[e]), never a Python loop per slot.
+    Rows are sorted by slot and each projection is one grouped matmul (slot e multiplies rows
+    offs[e-1]:offs[e]) whose offsets stay on the device: nothing here waits for the host, whatever
+    the routing. Where torch has no grouped matmul for the device/dtype/layout, a loop of two
+    matmuls per slot (which reads the counts on the host) is the fallback.
     """
     order = torch.argsort(slots, stable=True)
     counts = torch.bincount(slots, minlength=w13.shape[0])
-    xs_sorted = xs[order]
-    n_slots, most = w13.shape[0], int(counts.max()) if counts.numel() else 0
-    if 0 < n_slots * most <= 2 * xs.shape[0]:
-        # few rows per slot (decode): one bmm over slots padded to the fullest slot costs at most 2x
-        # the FLOPs but is one call, cheaper than a grouped matmul's per-slot calls at this size
-        slot_sorted = slots[order]
-        row = torch.arange(xs.shape[0], device=xs.device) - (torch.cumsum(counts, 0) - counts)[slot_sorted]
-        padded = xs.new_zeros(n_slots, most, xs.shape[1])
-        padded[slot_sorted, row] = xs_sorted
-        gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
-        ys_sorted = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[slot_sorted, row]
-    else:
-        ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2)
-        if ys_sorted is None:  # no grouped matmul for this layout: a loop of two matmuls per slot
-            ys_sorted = torch.empty_like(xs_sorted)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n:
-                    gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
-                    ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
-                    start += n
-    ys = torch.empty_like(ys_sorted)
-    ys[order] = ys_sorted
-    return ys, counts
+    xs_sorted = xs.index_select(0, order)
+    ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2)
+    if ys_sorted is None:  # no grouped matmul for this layout
+        ys_sorted = torch.empty_like(xs_sorted)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
+                ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
+                start += n
+    return torch.empty_like(ys_sorted).index_copy_(0, order, ys_sorted), counts
 
 
 _NO_GROUPED_MM: set = set()
@@ -300,6 +338,7 @@ class MoE(nn.Module):
         self.register_buffer("local_ids", torch.full((E,), -1, dtype=torch.long), persistent=False)
         # added to the gate logits; zero unless a hot-spot study sets it (workload.hot_experts)
         self.register_buffer("study_router_bias", torch.zeros(E), persistent=False)
+        self.study = False  # set with the bias: the add is skipped otherwise
         self.set_expert_ids(self.expert_ids)
         if spec.shared_intermediate_size:
             self.shared = MLP(H, spec.shared_intermediate_size, comm)
@@ -322,15 +361,20 @@ class MoE(nn.Module):
         return run_experts(xs, slots, self.w13, self.w2)
 
     def forward(self, x):
-        logits = F.linear(x.float(), self.gate.weight.float()) + self.study_router_bias
+        xf = x if x.dtype == torch.float32 else x.float()
+        gate_w = self.gate.weight if self.gate.weight.dtype == torch.float32 else self.gate.weight.float()
+        logits = F.linear(xf, gate_w)
+        if self.study:
+            logits = logits + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))
         self.last_load = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         if self.dispatch is not None:
             routed = self.dispatch(self, x, ids, weights)
-        else:  # every expert is local
-            token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
-            ys, self.last_slot_load = self.run_local(x[token_of], self.local_ids[ids.flatten()])
-            routed = torch.zeros_like(x).index_add_(0, token_of, ys * weights.flatten()[:, None].to(ys.dtype))
+        else:  # every expert is local: token t's k assignments are rows t*k .. t*k+k-1
+            T, k = ids.shape
+            ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), self.local_ids[ids.flatten()])
+            w = weights if weights.dtype == ys.dtype else weights.to(ys.dtype)
+            routed = (ys.view(T, k, -1) * w[:, :, None]).sum(1)
         if self.spec.shared_intermediate_size:
             shared = self.comm.all_reduce(self.shared(x))
             if self.spec.shared_expert_gate:

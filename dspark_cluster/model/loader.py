@@ -170,6 +170,8 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
                                           f"{part_shape} for this architecture (config.json)")
             full = torch.cat(parts, 0) if name.endswith(".w13") else torch.stack(parts)
             value = full.view(param.shape) if full.numel() == param.numel() else full
+        elif getattr(model.get_submodule(name.rsplit(".", 1)[0]), "parts", None) is not None:
+            value = _read_packed(model, reader, name, param)
         elif tp_size > 1 and _shard_dim(model, name) is not None:
             # the layer says how it is split: rows (column-parallel) or columns (row-parallel)
             module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -185,6 +187,27 @@ def load_weights(model: DecoderModel, reader: CheckpointReader):
             )
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
+
+
+def _read_packed(model: DecoderModel, reader: CheckpointReader, name: str, param) -> torch.Tensor:
+    """A PackedLinear's weight or bias: each part read from its own checkpoint tensor (this rank's
+    rows of it when the part is split), its rows reordered where the part says, and joined."""
+    owner, _, leaf = name.rpartition(".")
+    module, parent = model.get_submodule(owner), owner.rpartition(".")[0]
+    comm, spec = model.comm, model.spec
+    values = []
+    for part in module.parts:
+        source = _hf_names(f"{parent}.{part.name}.{leaf}", spec, None)[0]
+        expect = (part.size, *param.shape[1:])
+        if part.split and comm.tp_size > 1:
+            value = reader.read(source, 0, (comm.tp_rank // part.share) * part.size, part.size, expect=expect)
+        else:
+            value = reader.read(source)
+        if tuple(value.shape) != expect:
+            raise CheckpointError(f"{reader.path}: tensor {source!r} has shape {tuple(value.shape)}, expected "
+                                  f"{expect} for this shard (tp_rank={comm.tp_rank}, tp_size={comm.tp_size})")
+        values.append(value if part.row_order is None else value.index_select(0, part.row_order.to(value.device)))
+    return torch.cat(values)
 
 
 def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") -> DecoderModel:

@@ -29,11 +29,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        h = self.post_attention_layernorm(x)
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata):
+        """x: the previous layer's output before its residual add (the embeddings for layer 0,
+        residual None); returns (this layer's output, the residual stream), the add fused into the
+        next norm as in vLLM: the residual stream after this layer is their sum."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
         out = self.mlp(h)
-        return x + (out if self.is_moe else self.comm.all_reduce(out))
+        return (out if self.is_moe else self.comm.all_reduce(out)), residual
 
 
 class VocabEmbedding(nn.Module):
@@ -92,6 +99,7 @@ class DecoderModel(nn.Module):
         for moe in self.moe_layers:
             moe.study_router_bias.zero_()
             moe.study_router_bias[list(experts)] = float(bias)
+            moe.study = bool(bias) and bool(list(experts))
 
     @property
     def attention_layers(self):
@@ -110,13 +118,13 @@ class DecoderModel(nn.Module):
         concatenated in order (a DSpark drafter's context)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        kept = []
+        kept, residual = [], None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta)
+            x, residual = layer(x, residual, cos, sin, meta)
             if i in capture:
-                kept.append(x)
+                kept.append(x + residual)
         self.captured = torch.cat(kept, dim=-1) if kept else None
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         """hidden [N, hidden] -> fp32 logits [N, vocab] (gathered over the vocab shards)."""
