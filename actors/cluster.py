@@ -3,13 +3,16 @@
 `Cluster` checks the topology against the Ray cluster before starting anything, reserves one
 placement group per TP group (STRICT_PACK keeps a TP group on one node), starts the workers,
 has them rendezvous at rank 0's node and load their shards, and sizes the KV pool to what every
-worker can hold. Each step is one round: the same StepInput goes to every worker.
+worker can hold. Each step is one round: the same StepInput goes to every worker, but for the
+draft law, which only the driver ranks (TP rank 0 of each group) read: they get their group's in a
+copy of their own (`rank_inputs`), in the same round.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -111,6 +114,30 @@ def num_actors(cfg: Config) -> int:
     return cfg.parallel.world_size + (cfg.speculative.draft_workers if cfg.speculative.enabled else 0)
 
 
+def input_slots(world: int, tp: int) -> list[int]:
+    """Per rank, which of a round's inputs it reads (`rank_inputs`): with tensor parallelism, 0 for
+    the non-driver ranks and 1 + g for group g's driver rank (TP rank 0); without, g."""
+    first = 1 if tp > 1 else 0
+    return [first + r // tp if r % tp == 0 else 0 for r in range(world)]
+
+
+def rank_inputs(step, tp: int, data: int) -> list:
+    """One round's inputs, in the order of `input_slots`: the non-driver ranks' without any draft law
+    (they do not verify), and each driver rank's with its own group's law only. `step`: a StepInput
+    or one per data-parallel group. A round without a law has the same input in every slot."""
+    steps = step if isinstance(step, list) else [step]
+    n = data + (1 if tp > 1 else 0)
+    if all(s.draft_probs is None for s in steps):
+        return [step] * n
+    bare = [s if s.draft_probs is None else dataclasses.replace(s, draft_probs=None, draft_law_rows=None)
+            for s in steps]
+    if isinstance(step, list):
+        drivers = [[s if i == g else b for i, (s, b) in enumerate(zip(steps, bare))] for g in range(data)]
+    else:  # every group takes the same input
+        drivers = [step] * data
+    return ([bare if isinstance(step, list) else bare[0]] if tp > 1 else []) + drivers
+
+
 def compiled_graph_wanted(setting: str, worker_nodes: set, here: str) -> bool:
     """Whether the step goes through a Ray compiled graph: `setting` (parallel.compiled_graph) on or
     off, or for auto, only when every worker runs on this process's node `here` (see the config)."""
@@ -139,6 +166,8 @@ class Cluster:
         self._unread = []  # rounds submitted whose outputs were not read (drained before a teardown)
         self.compiled = False
         self.last_wire_s = 0.0
+        self.slots = input_slots(world, tp)  # per rank, which of a round's inputs it reads
+        self.last_input_bytes = [0] * world  # per rank, the bytes of the last round's input
         threads = cfg.parallel.threads_per_worker or 1
         here = ray.get_runtime_context().get_node_id()
         try:
@@ -246,24 +275,32 @@ class Cluster:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step_input:
-            dag = MultiOutputNode([w.step.bind(step_input) for w in self.workers])
+            # one channel per input: a driver rank's (with the draft law) is read by it alone
+            args = [step_input] if max(self.slots) == 0 else [step_input[i] for i in range(max(self.slots) + 1)]
+            dag = MultiOutputNode([w.step.bind(args[slot]) for w, slot in zip(self.workers, self.slots)])
         self._dag = dag.experimental_compile()
 
-    def _execute(self, data):
+    def _execute(self, inputs: list):
         """One round's output refs: through the compiled graph, or one actor call per worker (Ray
-        runs one caller's calls to an actor in order, so two rounds in flight stay ordered)."""
+        runs one caller's calls to an actor in order, so two rounds in flight stay ordered).
+        inputs: the round's pickled inputs, in the order of `input_slots`."""
         if self.compiled:
-            return self._dag.execute(data)
-        return [w.step.remote(data) for w in self.workers]
+            return self._dag.execute(*inputs)
+        return [w.step.remote(inputs[slot]) for w, slot in zip(self.workers, self.slots)]
 
     def submit(self, step):
         """Start one round to every worker. `step`: a StepInput, or one per data-parallel group
         (each worker takes its group's). Rounds run in submission order; two can be in flight
         (async scheduling). Returns a handle for `wait`."""
         t0 = time.perf_counter()
-        data = to_wire(step)
+        pickled, inputs = {}, []  # a round without a draft law pickles its one input once
+        for x in rank_inputs(step, self.cfg.parallel.tensor, self.cfg.parallel.data):
+            if id(x) not in pickled:
+                pickled[id(x)] = to_wire(x)
+            inputs.append(pickled[id(x)])
+        self.last_input_bytes = [len(inputs[slot]) for slot in self.slots]
         try:
-            ref = self._execute(data)
+            ref = self._execute(inputs)
         except Exception as e:  # noqa: BLE001 -- a closed channel: a worker is gone
             raise WorkerError("a target worker was lost while a step was submitted") from e
         self._in_flight += 1

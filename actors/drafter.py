@@ -5,6 +5,10 @@ All drafters of a run form one torch.distributed world of their own (separate fr
 ShardWorkers), cut into tensor-parallel groups of `speculative.draft_tensor` consecutive ranks.
 A group runs SPMD: each rank gets the same calls and holds one shard of the draft model; TP rank 0
 decides the draft tokens and its proposals are the group's.
+
+Requests carry only the tokens a drafter was not sent before; each rank keeps the sequences
+(`SequenceHistory`, the same calls on every rank keep the same copies). A restarted drafter holds
+none, and the engine sends it every sequence whole.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ class Drafter:
         self.cfg = cfg
         self.device_kind = device
         self.rank, self.world_size = rank, world_size
+        from dspark_cluster.speculative.proposers import SequenceHistory
+
         self.state = self.proposer = None
+        self.history = SequenceHistory()  # each sequence's tokens (requests carry only the new ones)
         self._lock = threading.Condition()  # a DSpark drafter serves two callers (Router, target worker)
         self.calibrator_name = calibrator  # online calibration: where finished sequences' rounds go
         self._calibrator = None
@@ -89,6 +96,7 @@ class Drafter:
         first waits, briefly, for context rows the target's workers sent but that have not arrived
         (Ray orders calls per caller only); a sequence still without them gets no drafts."""
         with self._lock:
+            requests = self.history.resolve(requests)
             if hasattr(self.proposer, "waiting_for"):
                 deadline = time.monotonic() + CONTEXT_WAIT_S
                 while self.proposer.waiting_for(requests) and time.monotonic() < deadline:
@@ -106,10 +114,11 @@ class Drafter:
 
     def prefill(self, requests) -> None:
         with self._lock:
-            self.proposer.prefill(requests)
+            self.proposer.prefill(self.history.resolve(requests))
 
     def free(self, seq_ids, reasons=None) -> None:
         with self._lock:
+            self.history.free(seq_ids)
             if reasons is None:
                 self.proposer.free(seq_ids)
                 return

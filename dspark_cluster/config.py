@@ -52,6 +52,9 @@ class ModelConfig(_Section):
     # fp8 checkpoints: auto = dequantize (each shard's slices, at load, to `dtype`) until a GPU run
     # shows that fp8 matmuls pay; fp8 (keep the weights in fp8) is refused until it exists
     weights: Literal["auto", "dequantize", "fp8"] = "auto"
+    # decode steps through torch.compile, one graph per batch bucket (CUDA graphs on CUDA); auto: on
+    # for CUDA, off on CPU (model/compiled.py says why)
+    compile: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _check(self):

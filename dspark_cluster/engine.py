@@ -37,7 +37,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative.controller import Speculation
 from .step import StepInput, StepOutput
-from .step_builder import build_step_input
+from .step_builder import build_step_input, expert_capacity
 
 log = logging.getLogger(__name__)
 
@@ -285,12 +285,18 @@ class LLMEngine:
         spec_fields = self.speculation.step_fields(scheds) if self.speculation is not None else [{}] * len(scheds)
         eplb_fields = self.balancer.step_fields() if self.balancer is not None else {}
         inputs = []  # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
+        capacity = 0
+        if self.spec.is_moe and self.cfg.parallel.world_size > 1:
+            tokens = [sum(s.num_new_tokens + s.num_draft for s in sc.scheduled) for sc in scheds]
+            capacity = expert_capacity(tokens, self.cfg.parallel.tensor, self.spec.top_k, self.cfg.parallel.world_size,
+                                       self.spec.hidden_size * self.spec.dtype.itemsize)
         for g, sc in enumerate(scheds):
             prev_rows = None
             if prev is not None:
                 prev_rows = {s.seq.seq_id: i for i, s in enumerate(r for r in prev.scheds[g].scheduled if r.samples)}
             inputs.append(build_step_input(sc.scheduled, self.schedulers[g].blocks.block_tables, self.block_size,
-                                           prev_rows, share_sampled=share_sampled, **spec_fields[g], **eplb_fields))
+                                           prev_rows, share_sampled=share_sampled, expert_capacity=capacity,
+                                           **spec_fields[g], **eplb_fields))
         t = time.perf_counter()
         handle = self.executor.submit(inputs if self.num_groups > 1 else inputs[0])
         return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok, scheduled_ahead=prev is not None)

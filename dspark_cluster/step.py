@@ -75,9 +75,16 @@ class StepInput(_NumpyWire):
     # speculative rows: the last draft_count[s] query tokens of sample row s are drafts to verify
     draft_tokens: Optional[torch.Tensor] = None  # [S, K] long
     num_draft: Optional[torch.Tensor] = None  # [S] long
-    draft_probs: Optional[torch.Tensor] = None  # [S, K, V] draft law (None: one-hot drafts)
+    # the draft law, only of the sampled rows whose drafter has one (a greedy row's verification reads
+    # the draft tokens alone; every row not in draft_law_rows is one-hot at its drafts), in the drafter's
+    # dtype; only the driver rank verifies, so on Ray only it receives them (actors/cluster.py)
+    draft_probs: Optional[torch.Tensor] = None  # [R, K, V] (None: every row one-hot)
+    draft_law_rows: Optional[torch.Tensor] = None  # [R] long, the sample rows (into S) draft_probs belongs to
     placement_update: Optional[tuple] = None  # (version, phy2log [L, S]): start migrating experts
     commit_placement: Optional[int] = None  # version: switch to it before this step's forward
+    # expert parallelism: rows per rank pair of the padded all-to-all (the same in every group's input;
+    # 0: exact splits, the counts read on the host per layer). See parallel/expert_parallel.py
+    expert_capacity: int = 0
     return_logits: bool = False  # diagnostics (parity tests): also return the sampled rows' logits
     # async scheduling: input_ids[prev_token_pos[i]] is the token the previous step sampled in its
     # sample row prev_token_row[i]; the worker fills it in from its own output before the forward

@@ -86,6 +86,21 @@ def build_step_input(scheduled: list[ScheduledSeq], block_tables: dict[int, list
     )
 
 
+# the padded expert all-to-all's buffers, all ranks' together, at most this many bytes a layer; above,
+# exact splits (whose counts cost a host round trip per layer, which a step this large amortises)
+EXPERT_PADDED_MAX_BYTES = 32 * 2**20
+
+
+def expert_capacity(tokens_per_group: list[int], tensor: int, top_k: int, world: int, row_bytes: int) -> int:
+    """Rows per rank pair of the padded expert all-to-all for a step whose data-parallel groups run
+    `tokens_per_group` tokens (0: use exact splits). A rank sends at most its share of its group's
+    tokens (ceil(T / tensor)) times top_k assignments, all to one rank in the worst case: that is the
+    capacity, the same for every rank (every group's StepInput carries it), so no rank needs to know
+    another's counts before the all-to-all."""
+    cap = max((-(-t // tensor) for t in tokens_per_group), default=0) * top_k
+    return cap if 0 < cap and world * world * cap * row_bytes <= EXPERT_PADDED_MAX_BYTES else 0
+
+
 def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int) -> StepInput:
     """A step of num_rows greedy verify rows of tokens_per_row tokens each (the last tokens_per_row - 1
     of them drafts), for timing the step at start-up. Its KV goes to the pool's first blocks, which
@@ -105,6 +120,8 @@ def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_block
 
 
 def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
+    """Per sample row its drafts and, for the rows whose proposal has a draft law (sampled rows of a
+    drafter with one; greedy rows carry none), that law in the drafter's dtype, padded to K."""
     K = max((len(d) for d in drafts), default=0)
     if K == 0:
         return {}
@@ -113,11 +130,11 @@ def _draft_fields(drafts: list[list[int]], probs: list) -> dict:
     for i, d in enumerate(drafts):
         tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
     out = {"draft_tokens": tokens, "num_draft": torch.tensor([len(d) for d in drafts], dtype=torch.long)}
-    if any(p is not None for p in probs):
-        V = next(p for p in probs if p is not None).shape[-1]
-        law = torch.zeros(S, K, V)
-        for i, (d, p) in enumerate(zip(drafts, probs)):
-            if d:
-                law[i, : len(d)] = p if p is not None else torch.nn.functional.one_hot(torch.tensor(d), V).float()
-        out["draft_probs"] = law
+    rows = [i for i, (d, p) in enumerate(zip(drafts, probs)) if d and p is not None]
+    if rows:
+        first = probs[rows[0]]
+        law = torch.zeros(len(rows), K, first.shape[-1], dtype=first.dtype)
+        for j, i in enumerate(rows):
+            law[j, : len(drafts[i])] = probs[i]
+        out["draft_probs"], out["draft_law_rows"] = law, torch.tensor(rows, dtype=torch.long)
     return out

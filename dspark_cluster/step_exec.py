@@ -20,31 +20,35 @@ from .step import StepInput, StepOutput
 @torch.inference_mode()
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
                  prev_sampled: Optional[torch.Tensor] = None, export_layers: tuple = (),
-                 record_top_logprobs: int = 20) -> StepOutput:
+                 record_top_logprobs: int = 20, compiled=None) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
     `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
     know yet (`prev_token_pos`). The run's constants, given once at worker setup: `export_layers`,
     the decoder layers a DSpark drafter reads (exported in steps that name the rows' owners,
-    `step.seq_ids`), and `record_top_logprobs`, the target's top-k kept per recorded verify round."""
+    `step.seq_ids`), and `record_top_logprobs`, the target's top-k kept per recorded verify round.
+    `compiled`: the worker's model.compile runner (model/compiled.py), for the steps it applies to."""
     t0 = time.perf_counter()
     if step.prev_token_pos is not None:
         if prev_sampled is None:
             raise RuntimeError("a step refers to the previous step's tokens, but this rank has none")
         step.input_ids[step.prev_token_pos] = prev_sampled[step.prev_token_row, 0]
     capture = tuple(export_layers) if step.seq_ids is not None else ()
-    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs)
+    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs, compiled)
     out.forward_s = time.perf_counter() - t0
     return out
 
 
 def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: tuple,
-                  record_top_logprobs: int) -> StepOutput:
+                  record_top_logprobs: int, compiled=None) -> StepOutput:
     if step.query_lens.numel() == 0:
         return _idle_step(model, device)
-    positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
-    ids = step.input_ids.to(device)
-    hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype), capture=capture)
+    if compiled is not None and compiled.applies(step):
+        hidden = compiled(step, capture)
+    else:
+        positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
+        ids = step.input_ids.to(device)
+        hidden = model(ids, positions.to(device), meta.to(device, model.lm_head.weight.dtype), capture=capture)
     ends = torch.cumsum(step.query_lens, 0)[step.sample_rows]  # one past each sample row's last token
     S = step.sample_rows.numel()
     nd = step.num_draft if step.num_draft is not None else torch.zeros(S, dtype=torch.long)
@@ -65,8 +69,10 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
             K = step.draft_tokens.shape[1]
             padded = logits.new_zeros(S, K + 1, logits.shape[-1])
             padded[torch.repeat_interleave(torch.arange(S), counts), offsets] = logits
-            probs = step.draft_probs.to(device) if step.draft_probs is not None else None
-            tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args)
+            probs = law_rows = None  # the sampled rows' draft laws (the others are one-hot)
+            if step.draft_probs is not None:
+                probs, law_rows = step.draft_probs.to(device), step.draft_law_rows.to(device)
+            tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args, law_rows)
             sampled, num_tokens, scored = tokens.cpu(), num_tokens.cpu(), padded
             if step.record_rounds is not None and capture:
                 rounds = _record(step, padded, nd, sampled, num_tokens, ends, record_top_logprobs)

@@ -26,6 +26,7 @@ import torch
 
 from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
+from .model.compiled import CompiledDecode, resolve_compile
 from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepOutput
@@ -104,6 +105,7 @@ class Worker:
         if cfg.hot_experts:
             self.model.set_study_router_bias(cfg.hot_experts, cfg.hot_bias)
         self.num_blocks = 0
+        self.compiled = None  # model.compile's decode runner, made with the KV pool
         self.migration, self.migration_version = None, None
         self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
         self._prev_sampled: Optional[torch.Tensor] = None
@@ -121,6 +123,9 @@ class Worker:
         block_size = self.cfg.scheduler.block_size
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
         self.num_blocks = num_blocks
+        if resolve_compile(self.cfg.model.compile, self.device):  # the graphs read the cache: compiled after it
+            self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device)
+            self.compiled.warm_up()
         return kv_bytes_per_block(self.model, block_size)
 
     # -- the step --------------------------------------------------------------------------------
@@ -140,10 +145,12 @@ class Worker:
             self.migration = self.migration_version = None
         if step.placement_update is not None and self.migration is None and self.placement is not None:
             self._start_migration(*step.placement_update)
+        for d in self.dispatchers:  # the padded expert all-to-all's size for this step (0: exact splits)
+            d.capacity = step.expert_capacity
         try:
             out = execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
                                prev_sampled=self._prev_sampled, export_layers=self.cfg.export_layers,
-                               record_top_logprobs=self.cfg.record_top_logprobs)
+                               record_top_logprobs=self.cfg.record_top_logprobs, compiled=self.compiled)
         finally:
             # this step's share of the expert transfers, here between two steps on the step thread: every rank
             # runs the same steps, so all issue them at the same point among the step's collectives (also after
@@ -178,6 +185,7 @@ class Worker:
             "bytes_read": self.model.bytes_read,
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
+            "compile": self.compiled.stats() if self.compiled is not None else None,
         }
 
     def comm_stats(self) -> dict:

@@ -1,14 +1,16 @@
-"""Before / after in one run: a benchmark command alternated between an earlier commit and this tree.
+"""Before / after in one run: a benchmark command alternated between commits of this repository.
 
-    python launch/ab.py --before 86aa1bf --rounds 3 --keys overhead.local_tpot_ms,overhead.ray_tpot_ms \
+    python launch/ab.py --trees 86aa1bf,HEAD --rounds 2 --keys overhead.local_tpot_ms,overhead.ray_ratio \
         -- launch/bench_cluster.py --parts overhead --overhead-repeats 3 --json {json}
 
-The earlier commit (and --after, when given; else this working tree) is checked out once as a git worktree (under --worktrees, kept for reuse). Each
-round runs the command in both trees, the order alternating between rounds (before/after, then
-after/before, ...) so that a drift of the machine's load lands on both arms. Each tree runs its own
-copy of the script (the scripts put their own tree first on sys.path), with `{json}` replaced by a
-per-run path; `--keys` are dotted paths into that JSON. Printed: every run's values, then per key
-the median of each arm and after / before. Everything goes to --out (a JSON with the raw runs).
+Each tree (a commit, or `.` for this working tree) is checked out once as a git worktree (under
+--worktrees, kept for reuse). Each round runs the command once in every tree, the order rotating
+between rounds, so that a drift of the machine's load lands on every arm. By default each tree runs
+its own copy of the script (the scripts put their own tree first on sys.path); with --script-here
+this tree's script runs against each tree's package (PYTHONPATH), for a script the older trees
+lack. `{json}` is replaced by a per-run path; `--keys` are dotted paths into that JSON. Printed:
+every run's values, then per key the median of each tree and its ratio to the first tree's. The
+raw runs go to --out.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worktree(commit: str, base: Path) -> Path:
-    """A worktree of `commit` (made once; reused when it is already there)."""
+    """A worktree of `commit` (made once; reused when it is already there); `.`: this tree."""
+    if commit == ".":
+        return ROOT
     sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", commit], text=True).strip()
     path = base / sha[:12]
     if not (path / ".git").exists():
@@ -41,20 +45,22 @@ def dig(data: dict, key: str):
     return data
 
 
-def run_once(tree: Path, argv: list[str], out: Path) -> tuple[dict, float]:
-    cmd = [sys.executable] + [a.replace("{json}", str(out)) for a in argv]
+def run_once(tree: Path, argv: list[str], out: Path, script_here: bool) -> tuple[dict, float]:
+    args = [a.replace("{json}", str(out)) for a in argv]
+    if script_here:
+        args[0] = str((ROOT / args[0]).resolve())
     env = {**os.environ, "PYTHONPATH": str(tree)}  # this tree's package, whatever is installed
     t0 = time.perf_counter()
-    subprocess.check_call(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+    subprocess.check_call([sys.executable] + args, cwd=tree, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text()), time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="the earlier commit (anything git rev-parse takes)")
-    ap.add_argument("--after", default=None, help="the later commit (default: this working tree)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trees", required=True, help="comma-separated commits (anything git rev-parse takes; . = here)")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--keys", required=True, help="comma-separated dotted paths into the command's JSON")
+    ap.add_argument("--script-here", action="store_true", help="run this tree's script against each tree's package")
     ap.add_argument("--worktrees", default="/tmp/dspark-ab")
     ap.add_argument("--out", default="/tmp/dspark-ab/result.json")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- script args (with {json} for its output)")
@@ -62,28 +68,25 @@ def main() -> None:
     argv = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not any("{json}" in a for a in argv):
         ap.error("the command must write its JSON to {json}")
-    keys = args.keys.split(",")
-    trees = {"before": worktree(args.before, Path(args.worktrees)),
-             "after": worktree(args.after, Path(args.worktrees)) if args.after else ROOT}
-    runs = {"before": [], "after": []}
+    keys, names = args.keys.split(","), args.trees.split(",")
+    trees = {name: worktree(name, Path(args.worktrees)) for name in names}
+    runs = {name: [] for name in names}
     scratch = Path(args.worktrees) / "runs"
     scratch.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
-        order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-        for arm in order:
-            data, wall = run_once(trees[arm], argv, scratch / f"{arm}-{r}.json")
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            data, wall = run_once(trees[name], argv, scratch / f"{name.replace('/', '_')}-{r}.json", args.script_here)
             values = {k: dig(data, k) for k in keys}
-            runs[arm].append({"round": r, "wall_s": wall, "values": values, "loadavg": os.getloadavg()[0]})
-            print(f"round {r} {arm:6s} ({wall:.0f} s, load {os.getloadavg()[0]:.1f}): "
+            runs[name].append({"round": r, "wall_s": wall, "values": values, "loadavg": os.getloadavg()[0]})
+            print(f"round {r} {name:10s} ({wall:.0f} s, load {os.getloadavg()[0]:.1f}): "
                   + ", ".join(f"{k} {v:.4g}" for k, v in values.items()), flush=True)
     summary = {}
     for k in keys:
-        b = statistics.median(run["values"][k] for run in runs["before"])
-        a = statistics.median(run["values"][k] for run in runs["after"])
-        summary[k] = {"before": b, "after": a, "after_over_before": a / b}
-        print(f"{k}: before {b:.4g}, after {a:.4g}, after/before {a / b:.3f}x", flush=True)
+        med = {name: statistics.median(run["values"][k] for run in runs[name]) for name in names}
+        summary[k] = {name: {"median": v, "over_first": v / med[names[0]]} for name, v in med.items()}
+        print(f"{k}: " + ", ".join(f"{name} {v:.4g} ({v / med[names[0]]:.3f}x)" for name, v in med.items()), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"before": args.before, "after": args.after or "working tree", "command": argv, "runs": runs, "summary": summary},
+    Path(args.out).write_text(json.dumps({"trees": names, "command": argv, "runs": runs, "summary": summary},
                                          indent=1, default=str))
 
 

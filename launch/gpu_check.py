@@ -60,7 +60,9 @@ Checks (`--only NAME,...` runs a subset):
                fp32 loop reference; the decode-shaped (padded bmm) branch too.
   decode       decode tok/s at batch 1, 16 and 64 on a random model with Qwen3-30B-A3B's layer
                shapes (4 layers), against the HBM roofline (active weight bytes + KV bytes read per
-               step) / measured device-to-device copy bandwidth.
+               step) / measured device-to-device copy bandwidth; with model.compile off and on
+               (--compile; on CUDA `on` is torch.compile + CUDA graphs per decode bucket), with
+               the compile warm-up and the recompiles seen after it.
 
 Output: a table per check on stdout and a JSON file (--out, default gpu_check.json; rewritten
 after every check, so a run cut short keeps what it finished) with every figure, the device,
@@ -323,10 +325,10 @@ def write_random_qwen3_moe(path: str, shape: dict, num_layers: int, device, dtyp
     return sum(v.numel() * v.element_size() for v in t.values())
 
 
-def make_llm(path, dtype: str, device: str, scheduler=None, speculative=None):
+def make_llm(path, dtype: str, device: str, scheduler=None, speculative=None, compile_mode: str = "off"):
     from dspark_cluster import LLM
 
-    cfg = {"model": {"dtype": dtype}, "parallel": {"executor": "local", "device": device},
+    cfg = {"model": {"dtype": dtype, "compile": compile_mode}, "parallel": {"executor": "local", "device": device},
            "scheduler": {"block_size": 8, "num_kv_blocks": 512, **(scheduler or {})}}
     if speculative:
         cfg["speculative"] = speculative
@@ -674,7 +676,7 @@ def check_grouped_mm(args, tmp) -> dict:
         dslots = torch.randint(0, E, (B * 8,), generator=g).to(dev)
         dxs = torch.randn(B * 8, H, generator=g).to(dev, dtype)
         dys, dcounts = layers.run_experts(dxs, dslots, w13, w2)
-        bmm_branch = 0 < E * int(dcounts.max()) <= 2 * dxs.shape[0]
+        bmm_branch = True  # one path now: the grouped matmul at every size (no host read of the counts)
         bmm_err = rel_err(dys, experts_reference(dxs, dslots, w13, w2))
         fallback_error = None
         if calls["loop_fallback"]:  # why: the error the library swallows when it falls back
@@ -699,7 +701,7 @@ def check_grouped_mm(args, tmp) -> dict:
     say(table(["path", "rows", "rel err vs fp32 loop", "ms", "taken"],
               [["grouped_mm (skewed)", N, err, grouped_ms, res["grouped_mm_taken"]],
                [f"per-slot loop ({args.dtype})", N, loop_err, loop_ms, None],
-               ["padded bmm (decode)", B * 8, bmm_err, None, bmm_branch]]))
+               ["grouped_mm (decode-shaped)", B * 8, bmm_err, None, bmm_branch]]))
     say(f"(tolerance {tol}; fullest slot {res['fullest_slot']} rows of {N}, {res['empty_slots']} empty slots; "
         f"grouped_mm {'must' if must else 'need not'} be taken here)")
     return res
@@ -742,66 +744,77 @@ def check_decode(args, tmp) -> dict:
     res = {"model": {"shape": shape, "num_layers": num_layers, "checkpoint_bytes": written, "write_s": write_s},
            "dtype": args.dtype, "copy_bandwidth_GBps": bw / 1e9, "prompt_len": prompt_len, "decode_steps": steps,
            "batches": {}}
-    t = time.perf_counter()
-    llm = make_llm(path, args.dtype, dev, scheduler=sched)
-    res["model"]["load_s"] = time.perf_counter() - t
+    def run_mode(mode):
+        t = time.perf_counter()
+        llm = make_llm(path, args.dtype, dev, scheduler=sched, compile_mode=mode)
+        res["model"][f"load_s_compile_{mode}"] = time.perf_counter() - t
+        rows = []
+        try:
+            ex = llm.engine.executor
+            model = ex.model
+            moe = model.moe_layers[0]
+            expert_bytes = (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()  # one expert of one layer
+            dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                              if not n.endswith((".w13", ".w2")) and "embed_tokens" not in n)
+            kv_per_token = kv_bytes_per_block(model, llm.engine.block_size) / llm.engine.block_size
+            emb_row = model.model.embed_tokens.weight[0].numel() * model.model.embed_tokens.weight.element_size()
+            res["model"].update(expert_bytes_each=expert_bytes, dense_bytes=dense_bytes, kv_bytes_per_token=kv_per_token,
+                                device_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+            record = []
+            orig = ex.submit
+
+            def submit(step):  # times every step the engine runs and what it read
+                t0 = time.perf_counter()
+                out = orig(step)
+                record.append({"t0": t0, "t1": time.perf_counter(), "rows": int(step.query_lens.numel()),
+                               "decode": bool((step.query_lens == 1).all()), "ctx": int(step.context_lens.sum()),
+                               "experts": (out.expert_load > 0).sum(1).tolist()})
+                return out
+
+            ex.submit = submit
+            for B in batches:
+                warm = random_prompts([prompt_len] * B, seed=100 + B, vocab=shape["vocab_size"])
+                llm.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                prompts = random_prompts([prompt_len] * B, seed=200 + B, vocab=shape["vocab_size"])
+                record.clear()
+                t = time.perf_counter()
+                outs = llm.generate(prompts, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+                wall = time.perf_counter() - t
+                dec = [r for r in record if r["decode"] and r["rows"] == B]
+                if len(dec) < 2:
+                    raise RuntimeError(f"batch {B}: {len(dec)} decode steps of {B} rows seen; expected {steps}")
+                walls = sorted(b["t0"] - a["t0"] for a, b in zip(dec, dec[1:]))
+                fwd = sorted(r["t1"] - r["t0"] for r in dec)
+                step_s = walls[len(walls) // 2] if walls else float("nan")
+                fwd_s = fwd[len(fwd) // 2]
+                experts = sum(sum(r["experts"]) for r in dec) / len(dec)  # active (layer, expert) pairs per step
+                ctx = sum(r["ctx"] for r in dec) / len(dec)
+                weight_read = dense_bytes + experts * expert_bytes + B * emb_row
+                kv_read = ctx * kv_per_token
+                roof_s = (weight_read + kv_read) / bw
+                r = {"decode_tok_s": B / step_s, "step_ms": step_s * 1e3, "forward_ms": fwd_s * 1e3,
+                     "roofline_ms": roof_s * 1e3, "x_roofline": step_s / roof_s, "forward_x_roofline": fwd_s / roof_s,
+                     "active_experts_per_layer": experts / num_layers, "weight_bytes_per_step": weight_read,
+                     "kv_bytes_per_step": kv_read, "decode_steps_measured": len(dec), "generate_wall_s": wall,
+                     "tokens": sum(len(o.token_ids) for o in outs)}
+                res["batches" if mode == "off" else f"batches_compile_{mode}"][str(B)] = r
+                rows.append([f"{B} (compile {mode})", r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["roofline_ms"],
+                             r["x_roofline"], r["active_experts_per_layer"], weight_read / 1e6, kv_read / 1e6])
+            compiled = getattr(ex.worker, "compiled", None)
+            if compiled is not None:
+                res[f"compile_{mode}"] = compiled.stats()
+        finally:
+            llm.shutdown()
+            del llm
+            if torch.device(dev).type == "cuda":
+                torch.cuda.empty_cache()
+        return rows
+
     rows = []
-    try:
-        ex = llm.engine.executor
-        model = ex.model
-        moe = model.moe_layers[0]
-        expert_bytes = (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()  # one expert of one layer
-        dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                          if not n.endswith((".w13", ".w2")) and "embed_tokens" not in n)
-        kv_per_token = kv_bytes_per_block(model, llm.engine.block_size) / llm.engine.block_size
-        emb_row = model.model.embed_tokens.weight[0].numel() * model.model.embed_tokens.weight.element_size()
-        res["model"].update(expert_bytes_each=expert_bytes, dense_bytes=dense_bytes, kv_bytes_per_token=kv_per_token,
-                            device_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
-        record = []
-        orig = ex.submit
-
-        def submit(step):  # times every step the engine runs and what it read
-            t0 = time.perf_counter()
-            out = orig(step)
-            record.append({"t0": t0, "t1": time.perf_counter(), "rows": int(step.query_lens.numel()),
-                           "decode": bool((step.query_lens == 1).all()), "ctx": int(step.context_lens.sum()),
-                           "experts": (out.expert_load > 0).sum(1).tolist()})
-            return out
-
-        ex.submit = submit
-        for B in batches:
-            warm = random_prompts([prompt_len] * B, seed=100 + B, vocab=shape["vocab_size"])
-            llm.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-            prompts = random_prompts([prompt_len] * B, seed=200 + B, vocab=shape["vocab_size"])
-            record.clear()
-            t = time.perf_counter()
-            outs = llm.generate(prompts, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
-            wall = time.perf_counter() - t
-            dec = [r for r in record if r["decode"] and r["rows"] == B]
-            if len(dec) < 2:
-                raise RuntimeError(f"batch {B}: {len(dec)} decode steps of {B} rows seen; expected {steps}")
-            walls = sorted(b["t0"] - a["t0"] for a, b in zip(dec, dec[1:]))
-            fwd = sorted(r["t1"] - r["t0"] for r in dec)
-            step_s = walls[len(walls) // 2] if walls else float("nan")
-            fwd_s = fwd[len(fwd) // 2]
-            experts = sum(sum(r["experts"]) for r in dec) / len(dec)  # active (layer, expert) pairs per step
-            ctx = sum(r["ctx"] for r in dec) / len(dec)
-            weight_read = dense_bytes + experts * expert_bytes + B * emb_row
-            kv_read = ctx * kv_per_token
-            roof_s = (weight_read + kv_read) / bw
-            r = {"decode_tok_s": B / step_s, "step_ms": step_s * 1e3, "forward_ms": fwd_s * 1e3,
-                 "roofline_ms": roof_s * 1e3, "x_roofline": step_s / roof_s, "forward_x_roofline": fwd_s / roof_s,
-                 "active_experts_per_layer": experts / num_layers, "weight_bytes_per_step": weight_read,
-                 "kv_bytes_per_step": kv_read, "decode_steps_measured": len(dec), "generate_wall_s": wall,
-                 "tokens": sum(len(o.token_ids) for o in outs)}
-            res["batches"][str(B)] = r
-            rows.append([B, r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["roofline_ms"], r["x_roofline"],
-                         r["active_experts_per_layer"], weight_read / 1e6, kv_read / 1e6])
-    finally:
-        llm.shutdown()
-        del llm
-        if torch.device(dev).type == "cuda":
-            torch.cuda.empty_cache()
+    for mode in (args.compile or ("off,on" if torch.device(dev).type == "cuda" else "off")).split(","):
+        if mode != "off":
+            res["batches_compile_" + mode] = {}
+        rows += run_mode(mode)
     say(table(["batch", "tok/s", "step ms", "forward ms", "roofline ms", "x roofline", "experts/layer",
                "weights MB/step", "KV MB/step"], rows))
     say(f"(Qwen3-30B-A3B layer shapes, {num_layers} layers, {args.dtype}; roofline = bytes read per decode step / "
@@ -854,6 +867,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny sizes and few steps (for CPU)")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
     ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--compile", default=None, help="model.compile modes of the decode check (default: off,on "
+                                                   "on cuda, off on cpu)")
     args = ap.parse_args(argv)
     only = CHECKS if not args.only else tuple(s.strip() for s in args.only.split(",") if s.strip())
     bad = [c for c in only if c not in CHECKS]

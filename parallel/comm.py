@@ -16,6 +16,9 @@ class TensorParallelComm:
         self.tp_rank = state.tp_rank
         self.tp_size = state.tp_size
 
+    # a compiled forward (model.compile) calls the collectives eagerly, between its graphs: the
+    # in-place c10d calls and the byte counting are not traceable
+    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
@@ -24,6 +27,7 @@ class TensorParallelComm:
         dist.all_reduce(x, group=self.state.tp_group)
         return x
 
+    @torch.compiler.disable
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.tp_size == 1:
             return x

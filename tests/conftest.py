@@ -53,12 +53,15 @@ ARCHS = {
 }
 
 
-def build_checkpoint(arch: str, path, seed: int = 0):
-    """Random-weight checkpoint of `arch`, saved as transformers saves it (per-expert tensors)."""
+def build_checkpoint(arch: str, path, seed: int = 0, **overrides):
+    """Random-weight checkpoint of `arch`, saved as transformers saves it (per-expert tensors);
+    `overrides` set config fields (e.g. num_hidden_layers)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = ARCHS[arch]()
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     cfg.eos_token_id = 1
     cfg.bos_token_id = 0
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

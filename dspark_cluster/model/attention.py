@@ -23,6 +23,7 @@ class AttentionBatch:
 
     rows: Optional[torch.Tensor]  # [T_b] which of the step's new tokens are this batch's queries; None = all, in order
     block_tables: torch.Tensor  # [B, blocks] (padded with block 0; masked out)
+    blocks: torch.Tensor  # [B * blocks] the same, flat: what every layer gathers (made once per step)
     token_to_padded: torch.Tensor  # [T_b] index into the flattened [B * max_q] query layout
     padded_to_token: torch.Tensor  # [B * max_q] index into [T_b + 1]; T_b is a zero pad row
     attn_mask: torch.Tensor  # [B, 1, max_q, S] additive: 0 = attend, -inf = masked
@@ -36,9 +37,12 @@ class AttentionBatch:
         return AttentionBatch(**kw)
 
     def folded_mask(self, group: int) -> torch.Tensor:
-        """The mask for `group` query heads folded into the query axis: [B, 1, group * max_q, S]."""
-        if group not in self._folded:
-            self._folded[group] = self.attn_mask.repeat(1, 1, group, 1) if group > 1 else self.attn_mask
+        """The mask for `group` query heads folded into the query axis: [B, 1, group * max_q, S]; for
+        decodes (one query each) every folded row has the same mask, so [B, 1, 1, S] broadcasts."""
+        if group == 1 or self.max_q == 1:
+            return self.attn_mask
+        if group not in self._folded:  # once per step, for every layer
+            self._folded[group] = self.attn_mask.repeat(1, 1, group, 1)
         return self._folded[group]
 
 
@@ -56,11 +60,13 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), [b.to(device, dtype) for b in self.batches], self.num_tokens)
 
 
-def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                   min_blocks: int = 1):
     """Positions and attention layout for one step.
 
     query_lens [B]: new tokens per sequence; context_lens [B]: KV length after this step;
-    block_tables [B, max_blocks] long. Returns (positions [T], AttentionMetadata).
+    block_tables [B, max_blocks] long; min_blocks: the fewest blocks a batch's keys span (a compiled
+    step's dynamic key length must not be 1 block). Returns (positions [T], AttentionMetadata).
     Index arithmetic runs in numpy: these arrays are tiny, and a numpy op costs ~1 us against
     ~5-10 us for a torch op, which adds up over the ~30 of them per step.
     """
@@ -73,16 +79,16 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
     decode = q == 1
     if decode.all() or not decode.any():
-        batches = [_batch(None, q, ctx, bt, block_size)]
+        batches = [_batch(None, q, ctx, bt, block_size, min_blocks)]
     else:
         batches = []
         for part in (decode, ~decode):
             rows = torch.from_numpy(np.flatnonzero(part[seq_of_token]))
-            batches.append(_batch(rows, q[part], ctx[part], bt[part], block_size))
+            batches.append(_batch(rows, q[part], ctx[part], bt[part], block_size, min_blocks))
     return torch.from_numpy(positions), AttentionMetadata(torch.from_numpy(slot_mapping), batches, T)
 
 
-def _batch(rows, q, ctx, bt, block_size) -> AttentionBatch:
+def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
     """One padded batch from numpy q [B], ctx [B], bt [B, blocks]."""
     B = q.shape[0]
     T = int(q.sum())
@@ -93,7 +99,7 @@ def _batch(rows, q, ctx, bt, block_size) -> AttentionBatch:
     padded_to_token = np.full(B * max_q, T, dtype=np.int64)
     padded_to_token[token_to_padded] = np.arange(T)
     # only the blocks that hold context (tables can be longer: lookahead slots for drafts)
-    bt = np.ascontiguousarray(bt[:, : -(-int(ctx.max()) // block_size)])
+    bt = np.ascontiguousarray(bt[:, : max(min_blocks, -(-int(ctx.max()) // block_size))])
     S = bt.shape[1] * block_size
     q_pos = (ctx - q)[:, None] + np.arange(max_q)[None, :]  # [B, max_q]
     key_pos = np.arange(S)
@@ -103,6 +109,7 @@ def _batch(rows, q, ctx, bt, block_size) -> AttentionBatch:
     return AttentionBatch(
         rows=rows,
         block_tables=torch.from_numpy(bt),
+        blocks=torch.from_numpy(bt.reshape(-1)),
         token_to_padded=torch.from_numpy(token_to_padded),
         padded_to_token=torch.from_numpy(padded_to_token),
         attn_mask=torch.from_numpy(np.where(mask, np.float32(0), np.float32(-np.inf)))[:, None],
@@ -117,6 +124,10 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     values are the first Dv channels of the keys, as in MLA's latent cache). Returns [T, Hq, Dv].
     SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
     """
+    if torch.compiler.is_compiling():  # a compiled decode step: one opaque op (its key length varies per step)
+        b = meta.batches[0]
+        return torch.ops.dspark.decode_attention(q, k_new, v_new, k_cache, v_cache, meta.slot_mapping, b.blocks,
+                                                 b.attn_mask, scale)
     Hkv, Dk, Dv = k_new.shape[1], k_new.shape[-1], v_new.shape[-1]
     # index_copy_ / index_select: several times faster on CPU than advanced indexing for the same rows
     k_cache.view(-1, Hkv, Dk).index_copy_(0, meta.slot_mapping, k_new)
@@ -140,7 +151,7 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
     B, max_q = b.num_seqs, b.max_q
-    blocks = b.block_tables.flatten()
+    blocks = b.blocks
     keys = k_cache.index_select(0, blocks).view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
     if v_cache is not None:
         values = v_cache.index_select(0, blocks).view(B, -1, Hkv, Dv).transpose(1, 2)
@@ -156,3 +167,20 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
         return out[..., :Dv].reshape(B, Hq, Dv)
     out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
     return out.index_select(0, b.token_to_padded)
+
+
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: Optional[torch.Tensor], slot_mapping: torch.Tensor, blocks: torch.Tensor,
+                     attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` of a decode-only step (one query per sequence, one batch) from tensors only:
+    what a compiled step calls, as one op whose output shape does not depend on the key length."""
+    B = q.shape[0]
+    b = AttentionBatch(rows=None, block_tables=blocks.view(B, -1), blocks=blocks, token_to_padded=blocks,
+                       padded_to_token=blocks, attn_mask=attn_mask, max_q=1, num_seqs=B)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, AttentionMetadata(slot_mapping, [b], B), scale)
+    return out.contiguous()
+
+
+torch.library.custom_op("dspark::decode_attention", decode_attention, mutates_args=("k_cache", "v_cache")).register_fake(
+    lambda q, k_new, v_new, k_cache, v_cache, slot_mapping, blocks, attn_mask, scale:
+    q.new_empty(q.shape[0], q.shape[1], v_new.shape[-1]))

@@ -225,6 +225,16 @@ class MLAttention(nn.Module):
     def cache_shape(self, num_blocks, block_size):
         return [(num_blocks, block_size, 1, self.rank + self.rope)]
 
+    def absorbed(self):
+        """kv_b_proj as the two absorbed matrices, views of its weight made once (their storage is
+        the parameter's, so an in-place reload shows through): w_uk [H, nope, rank], w_uv^T [H, rank, v]."""
+        w = self.kv_b_proj.weight
+        cached = self.__dict__.get("_absorbed")  # in __dict__: not a registered parameter or buffer
+        if cached is None or cached[0] is not w:
+            v = w.view(self.num_heads, self.nope + self.vdim, self.rank)
+            cached = self.__dict__["_absorbed"] = (w, v[:, : self.nope], v[:, self.nope :].transpose(1, 2))
+        return cached[1:]
+
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, Hh = x.shape[0], self.num_heads
         if self.q_lora:
@@ -236,12 +246,12 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(T, Hh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         pe = apply_rope(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)  # q's heads and the shared key
-        w = self.kv_b_proj.weight.view(Hh, self.nope + self.vdim, self.rank)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope]).transpose(0, 1)  # [T, H, rank]
+        w_uk, w_uv_t = self.absorbed()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         k_new = torch.cat([latent[:, None, :], pe[:, Hh:]], dim=-1)  # [T, 1, rank + rope]
         out = paged_attention(torch.cat([q_latent, pe[:, :Hh]], dim=-1), k_new, latent[:, None, :],
                               self.kv_cache[0], None, meta, self.scale)  # [T, H, rank]
-        out = torch.bmm(out.transpose(0, 1), w[:, self.nope :].transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(T, -1)
         out = F.linear(out, self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
 
@@ -259,14 +269,18 @@ def route(logits: torch.Tensor, spec: ModelSpec, correction_bias=None):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
     scores = logits.sigmoid()
-    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    if correction_bias is not None:
+        choice = scores + (correction_bias if correction_bias.dtype == torch.float32 else correction_bias.float())
+    else:
+        choice = scores
     T, E = choice.shape
     if spec.n_group > 1:
         grouped = choice.view(T, spec.n_group, E // spec.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // spec.n_group, dim=1), float("-inf"))
+        # the groups outside the best topk_group: -inf for every expert in them
+        drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(spec.topk_group, dim=-1).indices, False)
+        choice = grouped.masked_fill(drop[:, :, None], float("-inf")).view(T, E)
     ids = choice.topk(spec.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if spec.norm_topk_prob:
@@ -274,10 +288,20 @@ def route(logits: torch.Tensor, spec: ModelSpec, correction_bias=None):
     return weights * spec.routed_scaling_factor, ids
 
 
+def count_ids(ids: torch.Tensor, n: int, weights=None) -> torch.Tensor:
+    """[n] occurrences of each id in [0, n) (weighted: summed weights). bincount eager; a scatter-add
+    when compiled (bincount's output length depends on the values, which a graph cannot have)."""
+    if weights is None and not torch.compiler.is_compiling():
+        return torch.bincount(ids, minlength=n)
+    w = torch.ones_like(ids) if weights is None else weights.to(torch.long)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, w)
+
+
 def run_experts(xs, slots, w13, w2):
     """Run each row through the expert in its local slot, grouped per slot.
 
-    xs [N, H]; slots [N] long in [0, n_slots); w13 [n_slots, 2I, H]; w2 [n_slots, H, I].
+    xs [N, H]; slots [N] long in [0, n_slots], n_slots meaning a padding row (its output is left
+    unspecified); w13 [n_slots, 2I, H]; w2 [n_slots, H, I].
     Returns (ys [N, H] unweighted expert outputs, counts [n_slots] rows per slot).
 
     Rows are sorted by slot and each projection is one grouped matmul (slot e multiplies rows
@@ -285,19 +309,35 @@ def run_experts(xs, slots, w13, w2):
     the routing. Where torch has no grouped matmul for the device/dtype/layout, a loop of two
     matmuls per slot (which reads the counts on the host) is the fallback.
     """
+    n_slots = w13.shape[0]
     order = torch.argsort(slots, stable=True)
-    counts = torch.bincount(slots, minlength=w13.shape[0])
+    # slot n_slots marks padding (expert parallelism's fixed-size buffers): sorted last, never computed
+    counts = count_ids(slots, n_slots + 1)[:n_slots]
     xs_sorted = xs.index_select(0, order)
+    if torch.compiler.is_compiling():  # an opaque op to the compiler (its grouped matmul has no fp32 trace)
+        ys_sorted = torch.ops.dspark.grouped_experts(xs_sorted, counts, w13, w2)
+    else:  # eager: the function itself (an op's dispatch costs ~10 us a call)
+        ys_sorted = grouped_experts(xs_sorted, counts, w13, w2)
+    return torch.empty_like(ys_sorted).index_copy_(0, order, ys_sorted), counts
+
+
+def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by slot, counts [n_slots] rows per slot -> each row through its slot's expert
+    (rows past the last slot's are left unspecified)."""
     ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2)
     if ys_sorted is None:  # no grouped matmul for this layout
-        ys_sorted = torch.empty_like(xs_sorted)
+        ys_sorted = torch.zeros_like(xs_sorted)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
                 gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
                 ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
                 start += n
-    return torch.empty_like(ys_sorted).index_copy_(0, order, ys_sorted), counts
+    return ys_sorted
+
+
+torch.library.custom_op("dspark::grouped_experts", grouped_experts, mutates_args=()).register_fake(
+    lambda xs_sorted, counts, w13, w2: torch.empty_like(xs_sorted))
 
 
 _NO_GROUPED_MM: set = set()
@@ -354,25 +394,36 @@ class MoE(nn.Module):
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
         local[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(len(self.expert_ids))
         self.local_ids = local.to(self.local_ids.device)
+        # one shard holding every expert in order: a logical id is its slot (no lookup, load = slot load)
+        self.identity_slots = self.expert_ids == list(range(self.spec.num_experts))
 
     def run_local(self, xs, slots):
         """xs [N, H] rows for this shard's slots [N] -> (unweighted expert outputs [N, H], rows per
         slot); what an expert-parallel dispatcher calls once the rows have reached their rank."""
         return run_experts(xs, slots, self.w13, self.w2)
 
-    def forward(self, x):
+    def forward(self, x, real=None):
+        """real: [T] bool, the rows that are real tokens (None: all); a compiled step pads its batch
+        to a bucket and the padding rows stay out of the load statistics."""
         xf = x if x.dtype == torch.float32 else x.float()
         gate_w = self.gate.weight if self.gate.weight.dtype == torch.float32 else self.gate.weight.float()
         logits = F.linear(xf, gate_w)
         if self.study:
             logits = logits + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))
-        self.last_load = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
+        T, k = ids.shape
+        flat = ids.flatten()
+        real_rows = None if real is None else real.repeat_interleave(k)
         if self.dispatch is not None:
+            self.last_load = count_ids(flat, self.spec.num_experts, real_rows)
             routed = self.dispatch(self, x, ids, weights)
         else:  # every expert is local: token t's k assignments are rows t*k .. t*k+k-1
-            T, k = ids.shape
-            ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), self.local_ids[ids.flatten()])
+            slots = flat if self.identity_slots else self.local_ids[flat]
+            ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), slots)
+            if real_rows is not None:
+                self.last_slot_load = count_ids(slots, len(self.expert_ids), real_rows)
+            self.last_load = self.last_slot_load if self.identity_slots else count_ids(
+                flat, self.spec.num_experts, real_rows)
             w = weights if weights.dtype == ys.dtype else weights.to(ys.dtype)
             routed = (ys.view(T, k, -1) * w[:, :, None]).sum(1)
         if self.spec.shared_intermediate_size:

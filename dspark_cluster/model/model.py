@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
 
-    def forward(self, x, residual, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata, real=None):
         """x: the previous layer's output before its residual add (the embeddings for layer 0,
         residual None); returns (this layer's output, the residual stream), the add fused into the
         next norm as in vLLM: the residual stream after this layer is their sum."""
@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        out = self.mlp(h)
+        out = self.mlp(h, real) if self.is_moe else self.mlp(h)
         return (out if self.is_moe else self.comm.all_reduce(out)), residual
 
 
@@ -112,15 +112,16 @@ class DecoderModel(nn.Module):
     def rope(self, positions, dtype):
         return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, capture: tuple = ()):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, capture: tuple = (), real=None):
         """input_ids, positions [T] -> hidden states [T, hidden] after the final norm. capture: decoder
         layers whose raw outputs (the residual stream) are kept in `self.captured` [T, len * hidden],
-        concatenated in order (a DSpark drafter's context)."""
+        concatenated in order (a DSpark drafter's context). real: [T] bool, the rows that are real
+        tokens when a compiled step padded its batch (None: all)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         kept, residual = [], None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, meta)
+            x, residual = layer(x, residual, cos, sin, meta, real)
             if i in capture:
                 kept.append(x + residual)
         self.captured = torch.cat(kept, dim=-1) if kept else None

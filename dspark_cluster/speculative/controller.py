@@ -130,24 +130,34 @@ class Speculation:
         t = time.perf_counter()
         props = self.drafter.propose(reqs)
         draft_s = time.perf_counter() - t
+        # what each row verifies: at most its draft slots (a proposal has no more than the request's k)
+        keep = {}
         for s, prop in zip(rows, props):
             if prop.tokens:
-                s.proposal = _cut(prop, s.num_lookahead)
+                s.proposal = prop
+                keep[id(s)] = s.num_lookahead
         if self.planner is not None:
             self.planner.drafted(len(reqs), max(s.num_lookahead for s in rows), draft_s)
             for sc in scheds:
-                self._apply_verify_budget(sc, draft_s)
+                self._verify_budget(sc, draft_s, keep)
+        for s in rows:  # one cut: the draft slots and the verify budget together
+            if s.proposal is not None:
+                n = keep[id(s)]
+                s.proposal = None if n == 0 else _cut(s.proposal, n)
 
-    def _apply_verify_budget(self, sc, draft_s: float) -> None:
-        """Cut each proposal of one group's step to the verify length the budget gives it."""
+    def _verify_budget(self, sc, draft_s: float, keep: dict) -> None:
+        """The verify length the budget gives each proposal of one group's step (keep: id(row) -> the
+        most it may verify, lowered here)."""
         rows = [s for s in sc.scheduled if s.proposal is not None]
         if not rows:
             return
         raw = self.planner.raw_confidences([s.proposal for s in rows])
+        for i, s in enumerate(rows):  # past its draft slots a position is not a candidate
+            raw[i, keep[id(s)]:] = np.nan
         lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
         for s, conf, n in zip(rows, raw, lengths.tolist()):
             s.draft_confidences = conf
-            s.proposal = None if n == 0 else _cut(s.proposal, n)
+            keep[id(s)] = min(keep[id(s)], n)
 
     def step_fields(self, scheds) -> list[dict]:
         """Per group, the StepInput fields speculation sets: with DSpark, the layers the driver rank
@@ -239,7 +249,9 @@ class Speculation:
 
 
 def _cut(p: Proposal, n: int) -> Proposal:
-    """The first n positions of a proposal."""
+    """The first n positions of a proposal (itself when it has no more)."""
+    if len(p.tokens) <= n:
+        return p
     return Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n],
                     None if p.confidences is None else p.confidences[:n])
 

@@ -19,11 +19,17 @@ The drafter runs in a drafter group chosen by name like the executor: `local`, i
     set_serving(version, available) tell the calibrator which version serves and which are held
     calibrator_status() -> dict | None
     device_reports(), comm_stats(), shutdown()
+
+Draft requests are incremental: `Drafter` (the engine's side) remembers how many of each sequence's
+tokens the serving group has been sent and sends only the rest (`DraftRequest.start`); the group
+keeps the sequences (`proposers.SequenceHistory`). A group that takes over (a restart) holds none,
+so each sequence goes to it whole once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +40,7 @@ from ..errors import RequestError
 from ..backends import backend
 from .calibrator import CalibrationLoop, Calibrator, DrafterVersions
 from .dspark_model import DSparkConfig
-from .proposers import DraftRequest, make_proposer
+from .proposers import DraftRequest, SequenceHistory, make_proposer
 from .records import Proposal
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,7 @@ class LocalDrafterGroup:
 
     def __init__(self, cfg, target_spec, device="cpu"):
         self.proposer = make_proposer(cfg, target_spec, device)
+        self.history = SequenceHistory()  # each sequence's tokens (requests carry only the new ones)
         self.calibrator = self._loop = None
         cc = cfg.speculative.calibration
         if cc.enabled:
@@ -95,15 +102,16 @@ class LocalDrafterGroup:
     def propose(self, requests: list[DraftRequest], version: int = 0) -> list[Proposal]:
         if self.calibrator is not None:
             self.proposer.use(version)  # a publish or rollback takes effect here, at the step boundary
-        return self.proposer.propose(requests)
+        return self.proposer.propose(self.history.resolve(requests))
 
     def prefill_async(self, requests: list[DraftRequest]) -> None:
-        pass  # nothing to overlap with in process: the prefill happens at the first proposal
+        self.history.resolve(requests)  # nothing to overlap with in process: the prefill happens at the first proposal
 
     def ingest(self, rows) -> None:
         self.proposer.ingest(rows)
 
     def free(self, seq_ids, reasons: Optional[dict] = None) -> None:
+        self.history.free(seq_ids)
         if self.calibrator is None:
             self.proposer.free(seq_ids)
             return
@@ -170,6 +178,9 @@ class Drafter:
         self.versions = DrafterVersions(cc.window_rounds, cc.rollback_margin) if cc.enabled else None
         self.available = {0}  # versions every drafter holds (rollback targets)
         self.backend = make_drafter_group(cfg, target_spec, device)
+        # seq_id -> how many of its tokens the serving group was sent: requests carry only the rest
+        # (a group that takes over was sent nothing, so each sequence goes to it whole once)
+        self.sent: dict[int, int] = {}
 
     @property
     def alive(self) -> bool:
@@ -208,6 +219,7 @@ class Drafter:
         restarted = False
         if self._restarted is not None:
             self.backend, self._restarted = self._restarted, None
+            self.sent = {}  # the new group holds no sequence
             log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
             restarted = True
             if self.versions is not None:  # the new group holds the original weights only
@@ -346,7 +358,8 @@ class Drafter:
             return [Proposal([]) for _ in requests]
         t0 = time.perf_counter()
         try:
-            return self.backend.propose(requests, self.versions.serving if self.versions is not None else 0)
+            return self.backend.propose(self._incremental(requests),
+                                        self.versions.serving if self.versions is not None else 0)
         except Exception as e:  # noqa: BLE001 - any drafter failure degrades to plain decoding
             self.stats.failures += 1
             log.warning("drafter failed (%s: %s); continuing without speculation", type(e).__name__, e)
@@ -361,19 +374,36 @@ class Drafter:
         is nothing to overlap with, so the prefill happens lazily at the first proposal."""
         if self.backend is not None and requests:
             try:
-                self.backend.prefill_async(requests)
+                self.backend.prefill_async(self._incremental(requests))
             except Exception:  # noqa: BLE001
                 self._drop()
 
     def free(self, seq_ids, reasons: Optional[dict] = None) -> None:
         """reasons: seq_id -> finish reason (online calibration keeps no rounds of failed or aborted requests)."""
+        for sid in seq_ids:
+            self.sent.pop(sid, None)
         if self.backend is not None and seq_ids:
             try:
                 self.backend.free(seq_ids, None if self.versions is None else (reasons or {}))
             except Exception:  # noqa: BLE001
                 self._drop()
 
+    def _incremental(self, requests: list[DraftRequest]) -> list[DraftRequest]:
+        """The requests (each with its whole sequence) as the group is sent them: only the tokens
+        past those it was sent before (`start` on); a sequence it was not sent, whole (start 0).
+        A sequence's tokens only grow (committed tokens never change); one shorter than what was
+        sent goes whole again."""
+        out = []
+        for r in requests:
+            n = self.sent.get(r.seq_id, 0) if r.start == 0 else 0
+            if n > len(r.token_ids):
+                n = 0
+            out.append(dataclasses.replace(r, token_ids=r.token_ids[n:], start=n) if n else r)
+            self.sent[r.seq_id] = r.start + len(r.token_ids)
+        return out
+
     def _drop(self) -> None:
+        self.sent = {}
         backend, self.backend = self.backend, None
         if backend is None:
             return

@@ -290,17 +290,27 @@ class DSparkProposer:
             zs.append(z)
             es.append(e)
             prev = tok
-        if greedy:  # the draft law (what verification of sampled rows would use), in one batched op
-            rep = lambda t: t.repeat_interleave(K)  # noqa: E731
-            laws = filter_logits(torch.stack(zs, 1).reshape(B * K, V), rep(temp), rep(top_k), rep(top_p)).softmax(-1)
-            laws = laws.view(B, K, V)
-        else:
-            laws = torch.stack(laws, 1)
         tokens = torch.stack(tokens, 1)
         conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
+        if greedy:  # no law to ship; without a confidence head its top probability is the confidence
+            if conf is None:
+                rep = lambda t: t.repeat_interleave(K)  # noqa: E731
+                laws = filter_logits(torch.stack(zs, 1).reshape(B * K, V), rep(temp), rep(top_k),
+                                     rep(top_p)).softmax(-1).view(B, K, V)
+            else:
+                laws = None
+        else:
+            laws = torch.stack(laws, 1)
         # without a confidence head: the draft law's top probability (never the drafted token's own)
         confs = torch.sigmoid(conf) if conf is not None else laws.max(-1).values
-        tokens, laws, confs = tokens.cpu(), laws.cpu(), confs.float().cpu()
+        tokens, confs = tokens.cpu(), confs.float().cpu()
+        # the law of the sampled rows only (a greedy row's verification reads its tokens alone), one
+        # tensor per proposal: a view of the batch's would take the whole batch's law onto the wire
+        sampled = [b for b, (_, r) in enumerate(active) if r.temperature > 0]
+        law_of = {}
+        if sampled and laws is not None:
+            kept = laws[torch.tensor(sampled, device=laws.device)].cpu()
+            law_of = {b: kept[j, : active[b][1].k].clone() for j, b in enumerate(sampled)}
         for b, (i, r) in enumerate(active):
-            out[i] = Proposal(tokens[b, : r.k].tolist(), laws[b, : r.k], confs[b, : r.k])
+            out[i] = Proposal(tokens[b, : r.k].tolist(), law_of.get(b), confs[b, : r.k].clone())
         return out

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,13 +28,53 @@ from .records import Proposal
 @dataclass
 class DraftRequest:
     seq_id: int
-    token_ids: list[int]  # the whole sequence so far (prompt + accepted output)
-    k: int  # how many tokens to propose at most
+    # the sequence's tokens (prompt + accepted output) from index `start` on: the whole sequence when
+    # start is 0 (what a proposer always sees), else only those the drafter has not been sent yet
+    token_ids: list[int]
+    k: int  # how many tokens to propose at most (a proposal never has more)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = -1
     position: int = 0  # output index of the first drafted token (for seeding)
+    start: int = 0  # index in the sequence of token_ids[0]
+
+
+class DraftHistoryError(RuntimeError):
+    """A request continues a sequence from past what the drafter holds of it (its history was lost)."""
+
+
+class SequenceHistory:
+    """The drafter's copy of each sequence's tokens, kept up to date by incremental DraftRequests.
+    The rule: a request with start 0 carries the whole sequence (a sequence the drafter has not
+    seen, or one the engine sends again whole); a request with start n > 0 continues the held
+    tokens from index n (held tokens from n on are replaced). One that starts past the held tokens
+    raises DraftHistoryError: the engine drops the drafter group, and the restarted group is sent
+    every sequence whole."""
+
+    def __init__(self):
+        self.tokens: dict[int, list[int]] = {}
+
+    def resolve(self, requests: list[DraftRequest]) -> list[DraftRequest]:
+        """Take the requests' new tokens; return the requests with the whole sequences (start 0)."""
+        out = []
+        for r in requests:
+            if r.start == 0:
+                have = self.tokens[r.seq_id] = list(r.token_ids)
+            else:
+                have = self.tokens.get(r.seq_id)
+                if have is None or len(have) < r.start:
+                    raise DraftHistoryError(
+                        f"sequence {r.seq_id}: a draft request continues from token {r.start}, but this drafter "
+                        f"holds {0 if have is None else len(have)} of its tokens")
+                del have[r.start:]
+                have.extend(r.token_ids)
+            out.append(replace(r, token_ids=have, start=0))
+        return out
+
+    def free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.tokens.pop(sid, None)
 
 
 class NgramProposer:
@@ -93,6 +133,9 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size)
         self.state: dict[int, _DraftState] = {}
         self.max_batch_tokens = max_batch_tokens
+        # the dtype its draft law travels in (a 16-bit drafter's law is drawn from and shipped in 16 bits)
+        self.law_dtype = self.model.lm_head.weight.dtype if self.model.lm_head.weight.is_floating_point() \
+            else torch.float32
 
     def free(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -172,7 +215,8 @@ class DraftModelProposer:
         for r in active:
             self.state[r.seq_id].fed = list(r.token_ids)
         drafts = {r.seq_id: [] for r in active}
-        probs = {r.seq_id: [] for r in active}
+        probs = {r.seq_id: [] for r in active}  # sampled rows only: a greedy row ships no law
+        tops = {r.seq_id: [] for r in active}
         for step in range(max(r.k for r in active)):
             dev = logits.device
             if self.decides:
@@ -181,10 +225,15 @@ class DraftModelProposer:
                 top_k = torch.tensor([r.top_k for r in active], dtype=torch.long, device=dev)
                 top_p = torch.tensor([r.top_p for r in active], device=dev)
                 law = filter_logits(logits, temp, top_k, top_p).softmax(-1)
+                if self.law_dtype != law.dtype:  # the law it ships is the law it draws from
+                    law = law.to(self.law_dtype).float()
                 raced = race_sample(law, [r.seed for r in active], [r.position + step for r in active], DRAFT)
                 tok = torch.where(temp == 0, logits.argmax(-1), raced)
+                top = law.max(-1).values
                 for i, r in enumerate(active):
-                    probs[r.seq_id].append(law[i])
+                    tops[r.seq_id].append(top[i])
+                    if r.temperature > 0:
+                        probs[r.seq_id].append(law[i])
             else:  # filled by TP rank 0's broadcast (a device tensor: NCCL moves no CPU tensors)
                 tok = torch.empty(len(active), dtype=torch.long, device=dev)
             if self.tp_size > 1:
@@ -207,11 +256,11 @@ class DraftModelProposer:
         for sid in drafts:
             # the other TP ranks have the same tokens but not their law: only rank 0's proposals count
             if self.decides:
-                law = torch.stack(probs[sid]).cpu()
+                law = torch.stack(probs[sid]).to(self.law_dtype).cpu() if probs[sid] else None
                 # confidence: the draft law's top probability at each position. Not the probability of
                 # the drafted token itself: a verify budget that reads a token's own confidence would
                 # decide from that token whether to verify it, which biases the output law.
-                out[sid] = Proposal(drafts[sid], law, law.max(-1).values)
+                out[sid] = Proposal(drafts[sid], law, torch.stack(tops[sid]).cpu())
             else:
                 out[sid] = Proposal(drafts[sid], None)
         return [out[r.seq_id] for r in requests]

@@ -1,0 +1,142 @@
+"""The decode step, counted and timed in process (issue 27): tensor operations and host
+synchronisations per layer, the forward's time at batch 1 and 64, and the LLM's TPOT at batch 1
+with model.compile off and on (where the tree has it), with the compile warm-up.
+
+    python launch/bench_step.py [--model PATH] [--json OUT]
+    python launch/ab.py --script-here --trees 10172c6,. --keys b1.forward_ms,b1.ops_per_layer \
+        -- launch/bench_step.py --json {json}
+
+Self-contained (its own op counter), so that it runs against an older tree's package too
+(`--script-here` in ab.py): operations are aten ops as dispatched (views included); host syncs are
+`.item()` and friends (aten._local_scalar_dense), `.tolist()`, `.numpy()` and device-to-host copies.
+One thread, float32, context 128 tokens in 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dspark_cluster.config import ASSETS_DIR, Config
+from dspark_cluster.kv_cache import allocate_kv_cache
+from dspark_cluster.model.attention import build_metadata
+from dspark_cluster.model.loader import load_model
+from dspark_cluster.model.spec import load_spec
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = collections.Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        self.syncs += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn):
+    c = _Count()
+    originals = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+    for n, f in originals.items():
+        def wrap(self, *a, _f=f, **kw):
+            c.syncs += 1
+            return _f(self, *a, **kw)
+        setattr(torch.Tensor, n, wrap)
+    try:
+        with c:
+            fn()
+    finally:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, f)
+    return c
+
+
+def decode_forward(model, batch: int, context: int, block_size: int = 16):
+    blocks = -(-context // block_size)
+    allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    ids = torch.randint(0, model.spec.vocab_size, (batch,))
+    q, ctx = torch.ones(batch, dtype=torch.long), torch.full((batch,), context)
+
+    @torch.inference_mode()
+    def run():  # metadata and forward, as a worker runs a step (sampling aside)
+        positions, meta = build_metadata(q, ctx, tables, block_size)
+        return model.compute_logits(model(ids, positions, meta.to("cpu", torch.float32))[-batch:])
+    return run
+
+
+def timed(fn, n: int) -> float:
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def llm_tpot(path: str, compile_mode, repeats: int = 5) -> dict:
+    from dspark_cluster import LLM, SamplingParams
+
+    model = {"dtype": "float32"} | ({"compile": compile_mode} if compile_mode else {})
+    t0 = time.perf_counter()
+    llm = LLM(path, config={"model": model, "parallel": {"executor": "local", "threads_per_worker": 1}})
+    start_s = time.perf_counter() - t0
+    try:
+        prompt = list(range(5, 133))
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        tpots = [llm.generate([prompt], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))[0]
+                 .metrics["tpot_s"] * 1e3 for _ in range(repeats)]
+        out = {"tpot_ms": statistics.median(tpots), "raw": tpots, "start_s": start_s}
+        worker = getattr(llm.engine.executor, "worker", None)
+        compiled = getattr(worker, "compiled", None)
+        if compiled is not None:
+            out["compile"] = compiled.stats()
+        return out
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    spec = load_spec(args.model, "float32")
+    res = {"layers": spec.num_layers}
+    for batch in (1, 64):
+        model = load_model(args.model, spec)
+        run = decode_forward(model, batch, 128)
+        ms = timed(run, args.steps if batch == 1 else args.steps // 4)
+        c = count(run)
+        res[f"b{batch}"] = {"forward_ms": ms, "ops": sum(c.ops.values()), "ops_per_layer": sum(c.ops.values()) / spec.num_layers,
+                            "host_syncs": c.syncs, "top_ops": c.ops.most_common(12)}
+        print(f"batch {batch}: forward {ms:.3f} ms, {sum(c.ops.values())} ops "
+              f"({sum(c.ops.values()) / spec.num_layers:.1f} per layer), {c.syncs} host syncs", flush=True)
+    has_compile = "compile" in Config.model_fields["model"].annotation.model_fields
+    res["tpot_eager"] = llm_tpot(args.model, "off" if has_compile else None)
+    print(f"LLM TPOT eager {res['tpot_eager']['tpot_ms']:.3f} ms", flush=True)
+    if has_compile:
+        res["tpot_compiled"] = llm_tpot(args.model, "on")
+        c = res["tpot_compiled"]["compile"]
+        print(f"LLM TPOT compiled {res['tpot_compiled']['tpot_ms']:.3f} ms (warm-up {c['compile_warm_up_s']:.1f} s for "
+              f"{len(c['compile_buckets'])} buckets; recompiles after it {c['compile_recompiles_after_warm_up']})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
