@@ -40,7 +40,11 @@ def worktree(commit: str, base: Path) -> Path:
 
 
 def dig(data: dict, key: str):
+    """The value at a dotted path, or None where the tree's output has no such key (an arm an older
+    tree lacks)."""
     for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
         data = data[part]
     return data
 
@@ -79,12 +83,15 @@ def main() -> None:
             values = {k: dig(data, k) for k in keys}
             runs[name].append({"round": r, "wall_s": wall, "values": values, "loadavg": os.getloadavg()[0]})
             print(f"round {r} {name:10s} ({wall:.0f} s, load {os.getloadavg()[0]:.1f}): "
-                  + ", ".join(f"{k} {v:.4g}" for k, v in values.items()), flush=True)
+                  + ", ".join(f"{k} {v:.4g}" for k, v in values.items() if v is not None), flush=True)
     summary = {}
     for k in keys:
-        med = {name: statistics.median(run["values"][k] for run in runs[name]) for name in names}
-        summary[k] = {name: {"median": v, "over_first": v / med[names[0]]} for name, v in med.items()}
-        print(f"{k}: " + ", ".join(f"{name} {v:.4g} ({v / med[names[0]]:.3f}x)" for name, v in med.items()), flush=True)
+        med = {name: statistics.median(vs) for name in names
+               if (vs := [run["values"][k] for run in runs[name] if run["values"][k] is not None])}
+        first = med.get(names[0])
+        summary[k] = {name: {"median": v, "over_first": v / first if first else None} for name, v in med.items()}
+        print(f"{k}: " + ", ".join(f"{name} {v:.4g}" + (f" ({v / first:.3f}x)" if first else "")
+                                   for name, v in med.items()), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"trees": names, "command": argv, "runs": runs, "summary": summary},
                                          indent=1, default=str))

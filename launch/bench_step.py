@@ -38,7 +38,7 @@ class _Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
-        self.syncs += func.overloadpacket.__name__ == "_local_scalar_dense"
+        self.syncs += func.overloadpacket.__name__ in ("item", "_local_scalar_dense", "is_nonzero")
         return func(*args, **(kwargs or {}))
 
 

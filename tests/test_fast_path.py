@@ -39,6 +39,14 @@ def _decode_forward(model, batch: int, context: int, block_size: int = 16):
     return run
 
 
+def test_the_counter_sees_every_kind_of_host_sync():
+    """So that 'no syncs' below means something: .item(), int(), float(), bool(), .tolist(), .numpy()."""
+    t = torch.tensor([3.0, 4.0])
+    with torch.inference_mode(), count_ops() as c:
+        int(t.max()), float(t.min()), t.sum().item(), bool(t.any()), t.tolist(), t.numpy()
+    assert c.syncs == {"item": 4, "tolist": 1, "numpy": 1}, dict(c.syncs)
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
 def test_host_syncs_per_decode_step_do_not_grow_with_layers(arch, tmp_path):
     """The same architecture at 2 and 4 layers: the forward reads nothing back to the host

@@ -122,7 +122,8 @@ def test_draft_cost_scales_with_forwards():
 def test_planner_drafts_at_low_load_and_not_at_high_load():
     cost = StepCost([1, 16, 64, 256, 1024], [0.01, 0.01, 0.02, 0.08, 0.32])  # linear past 16 tokens
     p = VerifyPlanner(4, cost, "dspark", refit_every=50, min_rounds=50)
-    assert p.draft_len(1) == 4  # no history yet: draft, to learn
+    assert p.draft_len(48) == 4 and p.exploring  # no history yet: learn, on a few rows (explore_rows) only
+    assert p.draft_len(1) == 4 and p.exploring
     rng = np.random.default_rng(3)
     raw, ver, acc = synthetic_rounds(rng, 200, [1.0] * 4)
     for i in range(0, len(raw), 8):  # 8 rows a step

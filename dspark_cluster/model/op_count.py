@@ -11,8 +11,8 @@ have a fixed few, none inside a layer.
     c.sync_sites     Counter of "file:line" where each happened (the innermost frame in this project)
 
 A CPU tensor's `.tolist()` does not go through the dispatcher, so the methods that read values back
-are wrapped for the duration of the block; `.item()` and friends dispatch `aten._local_scalar_dense`
-and are counted there.
+are wrapped for the duration of the block; `.item()`, `int(t)`, `float(t)` dispatch `aten.item`
+(`aten._local_scalar_dense` below it) and `bool(t)` `aten.is_nonzero`, counted there.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
-        if name == "_local_scalar_dense":
+        if name in ("item", "_local_scalar_dense", "is_nonzero"):  # .item(), int(t), float(t); bool(t)
             self.sync("item")
         elif name in ("_to_copy", "copy_") and args:
             src = args[1] if name == "copy_" else args[0]

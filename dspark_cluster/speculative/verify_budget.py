@@ -16,7 +16,9 @@ law (a token whose own confidence decides its verification is accepted more ofte
 
 Before drafting, `VerifyPlanner.draft_len` picks how many positions to draft at all (0..K) from the
 recent mean survival curve and the drafter's measured cost: at high load it drafts nothing, so the
-step is plain decoding (and async scheduling may overlap it again). That choice uses only history
+step is plain decoding (and async scheduling may overlap it again). Until the first outcomes are in,
+it drafts on a few rows only (the exploration's), so a fresh engine at high load pays for learning
+on 4 rows, not on all of them. That choice uses only history
 and the load, so it too leaves the output law alone.
 """
 
@@ -156,6 +158,7 @@ class VerifyPlanner:
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
+        self._learning = False  # exploring because nothing is known yet (not paced)
         # exploring costs at most this share of the time spent not drafting (its backlog, a draft model's
         # catch-up over every token since it last drafted, is not in the figure: hence so small a share)
         self.explore_share = 0.002
@@ -201,11 +204,14 @@ class VerifyPlanner:
     # ---- choices ---------------------------------------------------------------------------
     def draft_len(self, num_rows: int) -> int:
         """How many positions to draft this step for num_rows speculative decode rows (0: none)."""
-        self.exploring = False
+        self.exploring = self._learning = False
         if num_rows <= 0:
             return 0
         if self.mean_survival is None:
-            return self.k  # too little history: draft, to learn
+            # no outcomes yet: learn on a few rows (`explore_rows`, as the exploration below), never on
+            # every row of a loaded step before anything says that drafting pays at that load
+            self.exploring = self._learning = True  # (learning is not paced as the exploration is)
+            return self.k
         if (self._since_draft >= self.explore_every
                 and time.monotonic() - self._last_draft_t >= self._explore_s / self.explore_share):
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
@@ -232,7 +238,7 @@ class VerifyPlanner:
 
     # ---- observations ----------------------------------------------------------------------
     def drafted(self, num_rows: int, k: int, seconds: float) -> None:
-        if self.exploring:  # its cost, against the time until the next one
+        if self.exploring and not self._learning:  # its cost, against the time until the next one
             self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
         self._since_draft = 0
         self._last_draft_t = time.monotonic()
