@@ -27,6 +27,15 @@ class RequestError(DSparkError, ValueError):
     """A request is invalid: bad prompt or sampling parameters. Other requests keep running."""
 
 
+class PromptError(RequestError):
+    """The prompt is refused (empty, ids outside the vocabulary, too long): the one check of it, in
+    `input_processor.py`, for `LLM` and the HTTP server alike (which answers naming the field sent)."""
+
+
+class PromptTooLongError(PromptError):
+    """The prompt leaves no room in the context (max_model_len) for a new token."""
+
+
 class EngineError(DSparkError):
     """The engine (not the request) failed: a worker died, or it is restarting or stopped.
     The message is safe to show to clients."""

@@ -8,19 +8,10 @@ import uuid
 from pathlib import Path
 from typing import Optional, Union
 
-from .errors import CheckpointError, RequestError
+from .errors import CheckpointError, PromptError, PromptTooLongError, RequestError
 from .model.spec import ModelSpec, ignore_remote_code
 from .sampling import SamplingParams
 from .sequence import Sequence
-
-
-class PromptError(RequestError):
-    """The prompt is refused (empty, ids outside the vocabulary, too long): the one check of it,
-    for `LLM` and the HTTP server alike (which answers it naming the field the client sent)."""
-
-
-class PromptTooLongError(PromptError):
-    """The prompt leaves no room in the context (max_model_len) for a new token."""
 
 
 def load_tokenizer(path) -> Optional[object]:

@@ -18,9 +18,8 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .errors import ConfigError, EngineError, RequestError
+from .errors import ConfigError, EngineError, PromptError, PromptTooLongError, RequestError
 from .http_edge import ServerMetrics, request_id
-from .input_processor import PromptError, PromptTooLongError
 from .openai_protocol import APIError, ChatCompletionRequest
 from .outputs import StreamPiece
 from .sampling import SamplingParams
