@@ -410,7 +410,10 @@ def test_versions_publish_to_the_whole_drafter_group_through_ray(checkpoint, ran
         v = st["serving_version"]
         names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
         reports = [ray.get(ray.get_actor(n).version_report.remote()) for n in names]
-        assert len(reports) == 2 and {r["version"] for r in reports} == {v}
+        # both drafters switched together, to the calibrated version of the last proposal; a newer version
+        # may have been staged and made the serving one since (drafters take it with their next proposal)
+        assert len(reports) == 2 and len({r["version"] for r in reports}) == 1, reports
+        assert 1 <= reports[0]["version"] <= llm.drafter_status()["serving_version"] and v >= 1
         assert reports[0]["weights_sum"] == reports[1]["weights_sum"]
         assert st["calibrator"]["buffer"]["rounds_kept"] > 0 and st["history"][-1]["shadow"]["tau"] > 0
         assert llm.rollback_drafter(None)["serving_version"] == 0  # and held there
