@@ -123,7 +123,9 @@ class Worker:
         block_size = self.cfg.scheduler.block_size
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
         self.num_blocks = num_blocks
-        if resolve_compile(self.cfg.model.compile, self.device):  # the graphs read the cache: compiled after it
+        # the graphs read the cache: compiled after it. Not with expert parallelism: a compiled step pads its batch
+        # to a bucket, past the padded all-to-all's capacity, which the engine sizes from the unpadded step
+        if resolve_compile(self.cfg.model.compile, self.device) and not self.dispatchers:
             self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device)
             self.compiled.warm_up()
         return kv_bytes_per_block(self.model, block_size)
