@@ -12,16 +12,18 @@ import torch
 
 
 class Calibrator:
-    def __init__(self, cfg, device: str = "cpu", threads: int = 1, first_version: int = 1):
-        """`cfg`: a speculative.drafter_config.DrafterConfig (validated in the Router's process)."""
+    def __init__(self, cfg, device: str = "cpu", threads: int = 1, first_version: int = 1,
+                 stall_after_s: float = 120.0):
+        """`cfg`: a speculative.drafter_config.DrafterConfig (validated in the Router's process);
+        `stall_after_s`: parallel.stall_after_s (the bound its heartbeat is judged by)."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(threads)
         from dspark_cluster.speculative.calibrator import CalibrationLoop, Calibrator as CoreCalibrator
 
         self.cfg = cfg
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
-        self.core = CoreCalibrator(cfg, cfg.target_spec, dev,
-                                   first_version=first_version)
+        self.core = CoreCalibrator(cfg, cfg.target_spec, dev, first_version=first_version,
+                                   stall_after_s=stall_after_s)
         self.loop = CalibrationLoop(self.core, self.cfg.speculative.calibration.interval_s)
 
     def ready(self) -> bool:
@@ -42,6 +44,11 @@ class Calibrator:
 
     def status(self) -> dict:
         return self.core.status()
+
+    def heartbeat(self) -> dict:
+        """What the training thread is doing and when it last progressed (answered on another of the
+        actor's threads: max_concurrency > 1, so a hung update does not hold it)."""
+        return self.core.heartbeat.snapshot()
 
     def memory_report(self) -> dict:
         return self.core.memory_report()

@@ -30,6 +30,7 @@ from dspark_cluster.step import StepInput, from_wire, to_wire
 from dspark_cluster.worker import WorkerConfig
 
 from .calls import ray_get, remote_error
+from .placement_groups import placement_group_name, remove_placement_groups_of
 
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class Cluster:
         try:
             for g in range(cfg.parallel.data):
                 # group 0 on this process's node where it fits: its rounds then need no cross-node channel
-                pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK",
+                pg = placement_group([dict(bundle)] * tp, strategy="STRICT_PACK", name=placement_group_name("target"),
                                      _soft_target_node_id=here if g == 0 else None)
                 self.placement_groups.append(pg)
             ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups),
@@ -238,9 +239,29 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 -- the step's own error; or a dead actor, closed channel, lost node
             self._unread.remove(ref)
             cause = remote_error(e)
-            if cause is not None and self._all_alive():
+            if cause is not None and self._all_answered(ref) and self._all_alive():
                 raise cause from None
             raise WorkerError("a target worker was lost during a step") from e
+
+    def _all_answered(self, ref, grace_s: float = 2.0) -> bool:
+        """Whether every rank answered (returned, or raised its own error) a round one rank failed.
+        A step's own error is raised by every rank at once (SPMD) or by one while the others return;
+        a rank that does not answer is gone, or wedged in a collective with one that is. A whole host
+        lost is told apart only so: its peers' collectives fail at once (connection reset) while the
+        GCS still has the host's workers ALIVE until its health checks of the host's raylet run out
+        (seconds to tens of seconds)."""
+        if not isinstance(ref, list):  # a compiled graph's round (one node only): the GCS's word alone
+            return True
+        _, pending = self._ray.wait(ref, num_returns=len(ref), timeout=grace_s)
+        if pending:
+            return False
+        for r in ref:
+            try:
+                self._ray.get(r, timeout=0)
+            except Exception as e:  # noqa: BLE001 -- Ray's own failure (actor died, unavailable): not an answer
+                if remote_error(e) is None:
+                    return False
+        return True
 
     def _wait_dead(self, timeout_s: float) -> None:
         from ray._private.state import state as gcs
@@ -419,14 +440,22 @@ class Cluster:
 def start_router(cfg: Config):
     """Start the Router actor (it starts the shard workers) and wait until it serves."""
     ray = ensure_ray(num_actors(cfg), cfg.parallel.ray_address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from .router import Router
 
     check_resources(cfg, ray)  # refuse before any actor starts
-    router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000).remote(cfg.to_dict())
+    # on the driver's node (its fate is the driver's already): an actor of no resources lands on any
+    # node, and on a worker host the engine dies with that host (seen on tests/test_multihost.py's
+    # cluster; a soft affinity still put 3 in 8 elsewhere there)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    router = ray.remote(Router).options(num_cpus=0, max_concurrency=1000,
+                                        scheduling_strategy=here).remote(cfg.to_dict())
     try:
         ray_get(router.start.remote())
     except BaseException:
         ray.kill(router, no_restart=True)
+        remove_placement_groups_of(router._actor_id.hex())  # what it placed before it failed
         raise
     return router
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 
@@ -15,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dspark_cluster.cost import device_kind
 from dspark_cluster.errors import ConfigError
+from dspark_cluster.heartbeat import snapshot
 from dspark_cluster.speculative.drafter_config import DrafterConfig
 from dspark_cluster.speculative.proposers import DraftRequest
 from dspark_cluster.speculative.records import Proposal
@@ -22,6 +24,7 @@ from dspark_cluster.speculative.records import Proposal
 from .calibrator import Calibrator
 from .calls import unwrap
 from .drafter import Drafter
+from .placement_groups import placement_group_name
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,15 @@ class RayDrafterGroup:
     restartable = True
 
     def __init__(self, cfg, target_spec, timeout_s: float = 30.0, startup_timeout_s: float = 300.0,
-                 first_version: int = 1):
+                 first_version: int = 1, progress=None):
+        """progress(activity): called as the start-up moves on (a restart's heartbeat), or None."""
         self._ray, self._remove_pg = ray, remove_placement_group
         self.timeout_s = timeout_s
+        self.stall_after_s = cfg.parallel.stall_after_s
+        progress = progress or (lambda activity: None)
+        # the calibrator's heartbeat as last answered (asked at most once a second, never waited for)
+        self._beat_lock = threading.Lock()
+        self._beat, self._beat_t, self._beat_ref, self._beat_asked = None, 0.0, None, 0.0
         self._cand_ref, self._cand_t, self._staging = None, 0.0, None  # online calibration: a candidate on its way
         n, tp = cfg.speculative.draft_workers, cfg.speculative.draft_tensor
         self.actors, self.placement_groups, self.groups, self.reports, self.names = [], [], [], [], []
@@ -81,8 +90,10 @@ class RayDrafterGroup:
         cls = ray.remote(Drafter)
         tag = uuid.uuid4().hex[:8]
         try:
+            progress(f"placing {n // tp} drafter group(s) of {tp} {device} device(s)")
             for _ in range(n // tp):  # one at a time, so that shutdown() removes every one made
-                self.placement_groups.append(placement_group([dict(bundle)] * tp, strategy="STRICT_PACK"))
+                self.placement_groups.append(placement_group([dict(bundle)] * tp, strategy="STRICT_PACK",
+                                                             name=placement_group_name("drafter")))
             placed, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=n // tp, timeout=120)
             if len(placed) < n // tp:
                 key = "speculative.draft_tensor" if tp > 1 else "speculative.draft_workers"
@@ -101,7 +112,8 @@ class RayDrafterGroup:
                 self.calibrator_device = cal_device
                 self.calibrator = ray.remote(Calibrator).options(
                     name=calibrator_name, max_concurrency=4, num_cpus=1 if cal_device == "cpu" else 0,
-                    num_gpus=1 if cal_device == "cuda" else 0).remote(narrow, cal_device, threads, first_version)
+                    num_gpus=1 if cal_device == "cuda" else 0).remote(narrow, cal_device, threads, first_version,
+                                                                      self.stall_after_s)
             # a DSpark drafter also takes context rows from the target's workers while a proposal waits for them
             concurrency = 2 if cfg.speculative.method == "dspark" else 1
             for rank in range(n):
@@ -115,9 +127,12 @@ class RayDrafterGroup:
             self.groups = [self.actors[g * tp : (g + 1) * tp] for g in range(n // tp)]
             self._versions = [0] * len(self.groups)  # the drafter version each group serves
             # the drafters' own rendezvous, on drafter rank 0's node (the target's world has another)
+            progress(f"starting {n} drafter actor(s)")
             addr, port = self._gather([self.actors[0].node_address.remote()], startup_timeout_s)[0]
+            progress("joining the drafters' process group and loading the draft model")
             self.reports = self._gather([a.setup.remote(addr, port) for a in self.actors], startup_timeout_s)
             if self.calibrator is not None:
+                progress("starting the calibrator")
                 try:
                     self._gather([self.calibrator.ready.remote()], startup_timeout_s)
                 except Exception as e:  # noqa: BLE001 -- the drafters serve without it (the original weights)
@@ -242,6 +257,36 @@ class RayDrafterGroup:
 
     def calibrator_status(self):
         return None if self.calibrator is None else ray.get(self.calibrator.status.remote(), timeout=10)
+
+    def calibrator_heartbeat(self):
+        """The calibrator's heartbeat without waiting (the engine's stats() reads it at every /health
+        probe): asked at most once a second, the last answer returned meanwhile. An actor that has
+        not answered for stall_after_s, or that failed, is itself reported as a stall."""
+        if self.calibrator is None:
+            return None
+        with self._beat_lock:
+            now, bound = time.monotonic(), self.stall_after_s
+            if self._beat_ref is not None:
+                ready, _ = ray.wait([self._beat_ref], timeout=0)
+                if ready:
+                    ref, self._beat_ref = self._beat_ref, None
+                    try:
+                        self._beat, self._beat_t = ray.get(ref), now
+                    except Exception as e:  # noqa: BLE001 -- a calibrator lost costs calibration, never serving
+                        self._beat, self._beat_t = snapshot(
+                            "calibrator", "lost", True, now - self._beat_asked, True, bound,
+                            f"calibrator: its actor failed ({type(e).__name__}); the drafters serve on without "
+                            "calibration"), now
+                elif now - self._beat_asked > bound:
+                    return snapshot("calibrator", "answering its heartbeat", True, now - self._beat_asked, True, bound,
+                                    f"calibrator: its actor has not answered for {now - self._beat_asked:.0f} s "
+                                    f"(bound: parallel.stall_after_s = {bound:g})")
+            if self._beat_ref is None and now - self._beat_asked >= 1.0:
+                self._beat_asked, self._beat_ref = now, self.calibrator.heartbeat.remote()
+            if self._beat is None:
+                return snapshot("calibrator", "starting", False, 0.0, False, bound)
+            return {**self._beat, "seconds_since_progress": round(self._beat["seconds_since_progress"]
+                                                                  + now - self._beat_t, 1)}
 
     def comm_stats(self) -> list[dict]:
         return self._gather([a.comm_stats.remote() for a in self.actors], self.timeout_s)

@@ -70,10 +70,11 @@ class Router:
             box = self._outboxes[stream_id] = _Outbox()
         return box
 
-    async def add_requests(self, stream_id: str, prompts, params, request_ids) -> list:
+    async def add_requests(self, stream_id: str, prompts, params, request_ids, resume=None) -> list:
         """Validate and queue a batch (n choices, many prompts) in one call; their pieces go to the
-        client's output stream `stream_id`."""
-        return self.core.submit_many(prompts, params, request_ids, sink=self._outbox(stream_id))
+        client's output stream `stream_id`. resume: per request, the output tokens it already has
+        (a client re-submitting what a lost Router had in flight), or None."""
+        return self.core.submit_many(prompts, params, request_ids, sink=self._outbox(stream_id), resume=resume)
 
     async def outputs(self, stream_id: str):
         """Ray streaming generator: one object per step in which this client's requests gained
@@ -124,6 +125,9 @@ class Router:
 
     def finished_count(self) -> int:
         return len(self.core.finished)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def node_id(self) -> str:
         import ray

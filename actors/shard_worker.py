@@ -26,6 +26,9 @@ class ShardWorker:
         self._drafters = {}  # DSpark drafter actor handles by name
         self._last_return = None
 
+    def __repr__(self) -> str:  # Ray's actor repr (state API, error tracebacks): which rank this is
+        return f"ShardWorker(rank={self.rank}/{self.world_size})"
+
     @property
     def model(self):
         return self.worker.model if self.worker is not None else None

@@ -32,6 +32,7 @@ from .config import Config
 from .engine import LLMEngine
 from .engine_core import EngineCore
 from .errors import EngineError, RequestError, StepError
+from .heartbeat import stalled_reasons
 from .outputs import RequestOutput, StreamPiece, request_output
 from .sampling import SamplingParams
 
@@ -260,13 +261,16 @@ class AsyncEngine:
         event loop's thread; then read its outputs with stream() or result() (or abort it)."""
         return self.submit_many([prompt], [params], [request_id])[0]
 
-    def submit_many(self, prompts, params, request_ids=None, sink=None) -> list[str]:
+    def submit_many(self, prompts, params, request_ids=None, sink=None, resume=None) -> list[str]:
         """Validate every request (the first bad one raises RequestError, and none is queued), then
         queue them together: they join the same step. sink: an object whose put(request_id, item)
-        gets each piece (or error) in this event loop, instead of stream()/result()."""
+        gets each piece (or error) in this event loop, instead of stream()/result(). resume: per
+        request, the output tokens it already has (InputProcessor.make_sequence), or None."""
         self._check_up()
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        seqs = [self.engine.inputs.make_sequence(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        resume = list(resume) if resume is not None else [None] * len(prompts)
+        seqs = [self.engine.inputs.make_sequence(p, sp, rid, done)
+                for p, sp, rid, done in zip(prompts, params, ids, resume)]
         seen: set = set()
         for s in seqs:
             rid = s.request_id
@@ -401,13 +405,27 @@ class AsyncEngine:
             return "restarting", "a target worker was lost; the workers are restarting and requests will resume"
         return "ok", None
 
+    def background(self) -> list[dict]:
+        """The background parts' heartbeats (heartbeat.py): a drafter group's restart, the
+        calibrator, the expert staging (with more than one rank). Constant time."""
+        eng = self.engine
+        beats = eng.drafter.heartbeats() if eng.drafter is not None else []
+        if eng.balancer is not None and eng.balancer.num_ranks > 1:
+            beats.append(eng.balancer.heartbeat.snapshot())
+        return beats
+
     def stats(self) -> dict:
-        """Constant time (the server's /health and /metrics call it often)."""
+        """Constant time (the server's /health and /metrics call it often). `degraded`: the reasons
+        of the background parts that stopped progressing; the engine serves on meanwhile (its
+        `state` stays ok: /health answers 200 with status "degraded")."""
         eng = self.engine
         state, reason = self.state()
+        beats = self.background()
         return {
             "state": state,
             "error": reason,
+            "background": beats,
+            "degraded": stalled_reasons(beats),
             "restarts": eng.num_restarts,
             "last_restart": eng.last_restart,
             "drafter_restarts": eng.drafter.num_restarts if eng.drafter is not None else 0,

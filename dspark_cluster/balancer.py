@@ -6,7 +6,9 @@ current placement, and every `interval_steps` (or on demand) asks the EPLB polic
 placement. A change is then staged on the workers between steps (on their step threads, after
 the step that brought it and the next ones while steps keep running on the old placement; see
 parallel/migration.py) and committed at a step boundary once every rank holds its new experts:
-outputs never change, only where experts live.
+outputs never change, only where experts live. The staging has a heartbeat (heartbeat.py): a
+placement staged for parallel.stall_after_s of stepping without moving a byte further or becoming
+ready (a worker that lost its migration, say) is reported as a stall.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import eplb
+from .heartbeat import Heartbeat
 from .placement import ExpertPlacement, default_placement, placement_from_phy2log
 
 RANK_HISTORY_KEPT = 4096  # steps of per-rank load a long-running server keeps
@@ -46,6 +49,9 @@ class ExpertBalancer:
         # the handshake: the version the next StepInput commits, and the bytes its migration moved
         self._commit_version: Optional[int] = None
         self._migration_bytes = 0
+        # staging advances only when the engine steps: an idle engine is no stall (step_driven)
+        self.heartbeat = Heartbeat("expert_staging", cfg.parallel.stall_after_s, step_driven=True)
+        self._bytes_seen = 0  # the migration's bytes sent, as last read (progress)
 
     def keep_history(self) -> None:
         """Keep every step's per-rank load from now on (a run's report), not only the latest."""
@@ -58,6 +64,7 @@ class ExpertBalancer:
         self.pending = None
         self._commit_version, self._migration_bytes = None, 0
         self.window.clear()
+        self.heartbeat.rest("idle")
 
     # ---- the handshake with the workers, on the step's own data ----------------------------
     def step_fields(self) -> dict:
@@ -79,6 +86,17 @@ class ExpertBalancer:
             if version is not None:  # None: already committing (its commit may not have been sent yet)
                 self._migration_bytes = outs[0].migration_bytes
                 self._commit_version = version
+                self.heartbeat.beat(f"committing placement {version} at the next step")
+        if self.pending is not None:
+            self._staging_progress(outs)
+
+    def _staging_progress(self, outs: list) -> None:
+        """A step ran while a placement is staged: progress when its transfers moved on."""
+        sent = sum(o.migration_bytes for o in outs)
+        if sent > self._bytes_seen:
+            self._bytes_seen = sent
+            self.heartbeat.beat(f"staging placement {self.pending['version']}: {sent / 2**20:.1f} MiB sent")
+        self.heartbeat.ran()
 
     # ---- telemetry ------------------------------------------------------------------------
     def observe(self, expert_load: Optional[torch.Tensor]) -> None:
@@ -136,6 +154,8 @@ class ExpertBalancer:
         self.pending = {"version": self.version, "phy2log": phy2log, "started": time.perf_counter(),
                         "step": self.steps, "before": before.tolist(), "predicted_after": after.tolist(),
                         "committing": False}
+        self._bytes_seen = 0
+        self.heartbeat.beat(f"staging placement {self.version} on the workers")
         return self.version, phy2log
 
     def commit_version(self, migration_ready: Optional[bool]) -> Optional[int]:
@@ -155,6 +175,7 @@ class ExpertBalancer:
                             "balancedness_before": p["before"], "balancedness_predicted": p["predicted_after"]})
         self.pending = None
         self.window.clear()  # the new placement starts a fresh window
+        self.heartbeat.rest("idle")
 
     def summary(self) -> dict:
         b = self.balancedness()

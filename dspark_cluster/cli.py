@@ -1,4 +1,4 @@
-"""Command line: `dspark run`, `dspark sweep`, `dspark compare`, `dspark kv-plan`, `dspark serve` and
+"""Command line: `dspark run`, `dspark simulate`, `dspark sweep`, `dspark compare`, `dspark kv-plan`, `dspark serve` and
 `dspark drafter status|rollback|resume`."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 
 from .config import load_config
 from .errors import DSparkError
+from .http_edge import HTTPLimits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,11 +33,27 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: the DSPARK_API_KEY variable, else none)")
+                       help="require 'Authorization: Bearer KEY' on /v1/* and /admin/*. Default and safer: the "
+                            "DSPARK_API_KEY environment variable (a key given here is visible to every user of "
+                            "the machine in ps); neither: no key")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model folder's name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--max-body-mb", type=float, default=8.0,
                        help="refuse request bodies over this many MiB with a 413 (default 8; 0: no limit)")
+    limits = HTTPLimits()
+    serve.add_argument("--header-timeout", type=float, default=limits.header_timeout_s, metavar="S",
+                       help="close a connection whose request line and headers take longer than this "
+                            f"(default {limits.header_timeout_s:g} s)")
+    serve.add_argument("--body-timeout", type=float, default=limits.body_timeout_s, metavar="S",
+                       help="close a connection whose request body takes longer than this after its headers, "
+                            f"with a 408 (default {limits.body_timeout_s:g} s)")
+    serve.add_argument("--keep-alive", type=float, default=limits.keep_alive_s, metavar="S",
+                       help=f"close an idle connection between requests after this (default {limits.keep_alive_s:g} s)")
+    serve.add_argument("--max-connections", type=int, default=limits.max_connections, metavar="N",
+                       help="answer a connection beyond this many open ones with a 503 and close it "
+                            f"(default {limits.max_connections}; keep it under the open-files limit, ulimit -n)")
+    serve.add_argument("--openapi", action="store_true",
+                       help="serve the OpenAPI schema at /openapi.json, behind the API key (default: off)")
     compare = sub.add_parser("compare", help="two runs side by side, with the gain/cost figure and a verdict")
     compare.add_argument("run_a", help="the baseline: a run's folder (with report.json) or its report.json")
     compare.add_argument("run_b", help="the change, likewise")
@@ -46,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                             "runs); a YAML flow list sets several keys per value: --grid 'speculative=[{method: "
                             "none}, {method: dspark, draft_model: tiny-dspark}]'")
     sweep.add_argument("--name", default=None, help="the sweep's folder under report.out_dir (default: sweep-<time>)")
+    from .simulate.cli import add_simulate_arguments
+
+    add_simulate_arguments(sub, with_config, sweep)  # `dspark simulate`, `dspark sweep --simulate`
     drafter = sub.add_parser("drafter", help="online drafter calibration on a running server: status, rollback "
                              "(holds the version), resume (lets calibrated versions publish again)")
     drafter.add_argument("action", choices=["status", "rollback", "resume"])
@@ -54,6 +74,19 @@ def _parser() -> argparse.ArgumentParser:
     drafter.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     drafter.add_argument("--api-key", default=None, help="its API key (default: the DSPARK_API_KEY variable)")
     return p
+
+
+def _http_limits(args) -> HTTPLimits:
+    """`dspark serve`'s connection limits; a bad value is a ConfigError naming the flag."""
+    from .errors import ConfigError
+
+    flags = {"header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout", "keep_alive_s": "--keep-alive",
+             "max_connections": "--max-connections"}
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in flags.items()}
+    bad = [f"{flags[k]}: got {v!r}; must be positive" for k, v in values.items() if not v > 0]
+    if bad:
+        raise ConfigError(bad)
+    return HTTPLimits(**values)
 
 
 def _drafter_command(args) -> int:
@@ -117,11 +150,18 @@ def main(argv=None) -> int:
             return 2
         print(format_comparison(a, b, "A", "B"))
         return 0
+    if args.command == "simulate":
+        from .simulate.cli import simulate_command
+
+        return simulate_command(args)
     if args.command == "sweep":
         from .sweep import parse_grid, run_sweep
 
         try:
-            result = run_sweep(args.config, parse_grid(args.grid), args.overrides, name=args.name)
+            from .simulate.cli import sweep_runner
+
+            result = run_sweep(args.config, parse_grid(args.grid), args.overrides, name=args.name,
+                               run=sweep_runner(args))
         except DSparkError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -150,7 +190,8 @@ def main(argv=None) -> int:
             api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
             serve(cfg, host=args.host, port=args.port, api_key=api_key,
                   served_model_name=args.served_model_name, log_level=args.log_level,
-                  max_body_bytes=int(max(args.max_body_mb, 0) * 2**20) or None)
+                  max_body_bytes=int(max(args.max_body_mb, 0) * 2**20) or None, limits=_http_limits(args),
+                  openapi=args.openapi)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

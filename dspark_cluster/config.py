@@ -77,6 +77,10 @@ class ParallelConfig(_Section):
     # executor ray: a dead worker (or node) restarts the target's workers and re-runs the requests
     # in flight this many times over the engine's life; past that, requests fail and /health says so
     max_restarts: int = Field(3, ge=0)
+    # a background part (the calibrator, expert staging, a drafter group restart) that makes no progress
+    # for this long while it should be working is reported (/health "degraded", drafter_status(),
+    # dspark_background_stalled); one unit of its work (an optimiser step, a staging step) takes far less
+    stall_after_s: float = Field(120.0, gt=0)
     # which Ray to use when this process has none yet: auto = RAY_ADDRESS, else the instance a
     # `ray start` left on this machine, else a private one; local = always a private one; or an address
     ray_address: str = "auto"

@@ -65,9 +65,33 @@ def check_against_model(cfg) -> list[str]:
         problems.append("parallel.backend: got 'nccl'; NCCL needs CUDA devices, use 'gloo' or 'auto' with device cpu")
     if cfg.speculative.draft_model and not (Path(cfg.speculative.draft_model) / "config.json").is_file():
         problems.append(f"speculative.draft_model: got {cfg.speculative.draft_model!r}; no config.json there")
+    elif kind := check_drafter_kind(cfg):
+        problems.append(kind)  # the topology checks would read it as the wrong kind of model
     else:
         problems += check_drafter_topology(cfg)
     return problems
+
+
+DSPARK_MODEL_TYPE = "dspark_drafter"  # config.json's model_type of a DSpark drafter (speculative/dspark_model.py)
+
+
+def check_drafter_kind(cfg) -> Optional[str]:
+    """The draft model must be what the method runs: a DSpark drafter (config.json model_type
+    "dspark_drafter") for method dspark, a plain causal LM for draft_model. None when it is."""
+    sp = cfg.speculative
+    if sp.method not in ("dspark", "draft_model") or not sp.draft_model:
+        return None
+    kind = (read_hf_config(sp.draft_model) or {}).get("model_type")
+    if sp.method == "dspark" and kind != DSPARK_MODEL_TYPE:
+        return (f"speculative.draft_model: got {sp.draft_model!r}, not a DSpark drafter (its config.json has "
+                f"model_type {kind!r}, a DSpark drafter's is {DSPARK_MODEL_TYPE!r}); method dspark needs one (e.g. the "
+                "bundled tiny-dspark): point draft_model at one, or use speculative.method: draft_model for a plain "
+                "causal LM")
+    if sp.method == "draft_model" and kind == DSPARK_MODEL_TYPE:
+        return (f"speculative.draft_model: got {sp.draft_model!r}, a DSpark drafter; method draft_model needs a plain "
+                "causal LM (e.g. the bundled tiny-draft): use speculative.method: dspark for this drafter, or point "
+                "draft_model at a causal LM")
+    return None
 
 
 def check_drafter_topology(cfg) -> list[str]:

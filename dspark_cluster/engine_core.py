@@ -55,7 +55,10 @@ class EngineCore:
         """Queue a sequence made by engine.inputs.make_sequence (validated)."""
         self.engine.enqueue(seq)  # raises RequestError for an id in use, before anything is kept
         out = OutputProcessor(self.tokenizer, seq.params.stop, token_texts=seq.params.logprobs is not None)
-        self._live[seq.request_id] = _Live(seq, out)
+        resumed = seq.num_output_tokens > 0
+        if resumed:  # its reader has the text of these: the next pieces continue after it
+            out.add(seq.output_token_ids, final=False)
+        self._live[seq.request_id] = _Live(seq, out, started=resumed)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -127,7 +130,8 @@ class EngineCore:
             return  # already recorded
         self.engine.release(seq.request_id)
         self.num_finished += 1
-        self.finished.append(dict(request_id=seq.request_id, finish_reason=seq.finish_reason, **seq.metrics()))
+        self.finished.append(dict(request_id=seq.request_id, finish_reason=seq.finish_reason, **seq.metrics(),
+                                  output_token_ids=list(seq.output_token_ids)))  # runs compare outputs
         if self.metrics is not None:
             self.metrics.observe_request(seq)
 

@@ -14,9 +14,16 @@ class ConfigError(DSparkError, ValueError):
     def __init__(self, problems):
         if isinstance(problems, str):
             problems = [problems]
-        self.problems = list(problems)
+        # a ConfigError's problems (one raised inside another check's) are listed once each
+        self.problems = [q for p in problems for q in (p.problems if isinstance(p, ConfigError) else [p])]
+        if len(self.problems) == 1:  # one problem, one line
+            super().__init__(f"invalid configuration: {self.problems[0]}")
+            return
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+        super().__init__(f"invalid configuration ({len(self.problems)} problems):\n{lines}")
+
+    def __reduce__(self):  # pickled (across Ray) as its problems, not as its message (which would nest)
+        return (type(self), (self.problems,))
 
 
 class CheckpointError(DSparkError, ValueError):

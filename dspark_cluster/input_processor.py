@@ -57,8 +57,10 @@ class InputProcessor:
         return list(prompt)
 
     def make_sequence(self, prompt, params: Optional[SamplingParams] = None,
-                      request_id: Optional[str] = None) -> Sequence:
-        """Validation without touching the scheduler (safe from another thread)."""
+                      request_id: Optional[str] = None, resume: Optional[list[int]] = None) -> Sequence:
+        """Validation without touching the scheduler (safe from another thread). resume: output
+        tokens the request already produced (and its reader received) before its engine was lost;
+        the sequence continues after them (a new Router re-submits what an old one had in flight)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params: got {type(params).__name__}; expected SamplingParams")
@@ -78,4 +80,11 @@ class InputProcessor:
                 f"prompt: {len(ids)} tokens do not fit the KV cache ({self.kv_capacity} tokens); "
                 "raise scheduler.kv_cache_memory or num_kv_blocks"
             )
-        return Sequence(request_id or uuid.uuid4().hex, ids, len(ids), params, self.eos_token_ids)
+        done = self.encode(list(resume)) if resume else []
+        if done and len(ids) + len(done) >= min(self.max_model_len, len(ids) + params.max_tokens):
+            raise RequestError(f"resume: {len(done)} output tokens already reach the request's end "
+                               f"(max_tokens {params.max_tokens}, max_model_len {self.max_model_len}); nothing to resume")
+        if done and len(ids) + len(done) + 1 > self.kv_capacity:
+            raise PromptError(f"resume: {len(ids)} prompt + {len(done)} output tokens do not fit the KV cache "
+                              f"({self.kv_capacity} tokens)")
+        return Sequence(request_id or uuid.uuid4().hex, ids + done, len(ids), params, self.eos_token_ids)

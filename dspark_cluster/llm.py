@@ -99,12 +99,16 @@ class LLM:
         except BaseException:
             self._loop.close()
             raise
-        # in process: the engine (LLMEngine) itself; on Ray: the Router actor's handle
+        # in process: the engine (LLMEngine) itself
         self.engine = self.client.engine.engine if self.client.engine is not None else None
-        self.router = self.client.router
         # an LLM dropped without shutdown() still stops its engine (or Router) when collected
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
         self._finalizer.atexit = False
+
+    @property
+    def router(self):
+        """On Ray: the Router actor's handle (the current one: a lost Router is replaced); else None."""
+        return getattr(self.client, "router", None) if self.client is not None else None
 
     @property
     def tokenizer(self):
@@ -169,7 +173,7 @@ class LLM:
     def shutdown(self) -> None:
         if self.client is not None:
             self._finalizer()  # once: client.shutdown(), then the loop
-            self.client = self.engine = self.router = None
+            self.client = self.engine = None
 
     def __enter__(self):
         return self

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .cost import label_names, ledger_metrics
+from .heartbeat import PARTS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -67,7 +68,12 @@ METRICS = _table(
      ("dspark_spec_mean_accepted_length", G, "Tokens per verify round, since the engine started"),
      ("dspark_drafter_version", G, "The drafter version serving (online calibration)"),
      ("dspark_drafter_live_tau", G, "Tokens per verify round of the serving drafter version over its last "
-                                    "window_rounds")),
+                                    "window_rounds"),
+     ("dspark_background_stalled", G, "1 while a background part (calibrator, expert_staging, drafter_restart) "
+                                      "should be working but has not progressed for parallel.stall_after_s, else 0 "
+                                      "(the engine serves on: /health says degraded)", ("part",)),
+     ("dspark_background_seconds_since_progress", G, "Seconds since a background part last progressed or began "
+                                                     "to wait (0 for a part this engine does not run)", ("part",))),
     ("step",  # observe_step, observe_experts: pushed by the engine core after a step
      ("dspark_step_time_seconds", H, "Wall time of one engine step", (), L),
      ("dspark_num_running_seqs", G, "Sequences in the last step"),
@@ -187,8 +193,18 @@ class EngineMetrics:
         versions = spec.get("drafter_versions") or {}
         w("dspark_drafter_version", versions.get("serving_version") or 0)
         w("dspark_drafter_live_tau", versions.get("live_tau") or 0)
+        self.set_background(s.get("background") or [])
         if s.get("cost"):
             self.set_ledger(s["cost"])
+
+    def set_background(self, beats: list) -> None:
+        """One series per part (heartbeat.PARTS), a part the engine does not run at 0."""
+        by_part = {b["part"]: b for b in beats}
+        for part in PARTS:
+            b = by_part.get(part) or {}
+            self.sink.set("dspark_background_stalled", 1 if b.get("stalled") else 0, {"part": part})
+            self.sink.set("dspark_background_seconds_since_progress", b.get("seconds_since_progress") or 0,
+                          {"part": part})
 
     def set_up(self, up: bool) -> None:
         self.sink.set("dspark_engine_up", 1 if up else 0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from .errors import ConfigError, EngineError, PromptError, PromptTooLongError, RequestError
 from .http_edge import ServerMetrics, request_id
-from .openai_protocol import APIError, ChatCompletionRequest
+from .openai_protocol import APIError, ChatCompletionRequest, json_text
 from .outputs import StreamPiece
 from .sampling import SamplingParams
 
@@ -201,7 +200,7 @@ class SSEResponse(StreamingResponse):
 
 
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(obj)}\n\n"
 
 
 

@@ -8,6 +8,16 @@ from typing import Optional
 
 from tokenizers.decoders import DecodeStream
 
+# The floor of a log-probability in a response: a token of probability 0 (log -inf) is shown as -9999.0,
+# as vLLM's OpenAI server does (JSON has no -Infinity; clients read -9999.0 as "impossible"). A NaN is
+# left as it is: the encoder refuses it (openai_protocol.json_text), so a bug shows as an error.
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """A log-probability as a response shows it: at least MIN_LOGPROB."""
+    return MIN_LOGPROB if logprob < MIN_LOGPROB else logprob
+
 
 class LogprobFormat:
     """Over the client's tokenizer (None: tokens are shown as token_id:N)."""
@@ -46,15 +56,15 @@ class LogprobFormat:
             out["tokens"].append(s)
             out["text_offset"].append(offset)
             offset += len(s)
-            out["token_logprobs"].append(None if e is None else e.logprob)
-            out["top_logprobs"].append(None if e is None
-                                       else {**{self.token_str(t): lp for t, lp in e.top}, s: e.logprob})
+            out["token_logprobs"].append(None if e is None else finite(e.logprob))
+            top = None if e is None else {**{self.token_str(t): finite(lp) for t, lp in e.top}, s: finite(e.logprob)}
+            out["top_logprobs"].append(top)
         return out
 
     def chat(self, texts, entries: list) -> dict:
         """/v1/chat/completions' logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
         def one(s: str, logprob: float) -> dict:
-            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": finite(logprob), "bytes": list(s.encode("utf-8"))}
 
         return {"content": [{**one(s, e.logprob), "top_logprobs": [one(self.token_str(t), lp) for t, lp in e.top]}
                             for e, s in zip(entries, texts([e.token_id for e in entries]))]}

@@ -1,18 +1,28 @@
 """A request body read into token ids (in the HTTP thread pool: big bodies, chat templates and
 tokenisation take a while): JSON checked and validated, the model and the unsupported fields
-refused, text tokenised. The prompt itself (empty, ids outside the vocabulary, too long) is
-checked once, by the engine's InputProcessor; here only what must be refused before that work:
-token-id lists and texts far over the context length."""
+refused, text tokenised (a chat message's control strings as text: `PromptReader.template`), and
+each choice's max_tokens fitted to the context. The prompt itself (empty, ids outside the
+vocabulary, too long) is checked once, by the engine's InputProcessor; here only what must be
+refused before that work: token-id lists and texts far over the context length."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+from typing import Optional
 
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_json, clip, load_json,
                               validate)
 from .sampling import INT64_MAX
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=8)
+def _can_sanitize(tokenizer_class: type) -> bool:
+    """transformers' apply_chat_template(sanitize_control_tokens=True): control tokens in messages as text."""
+    return "sanitize_control_tokens" in inspect.signature(tokenizer_class.apply_chat_template).parameters
 
 
 class PromptReader:
@@ -61,6 +71,22 @@ class PromptReader:
             code="context_length_exceeded", param=param,
         )
 
+    def max_tokens(self, requested: Optional[int], param: str, num_prompt_tokens: int,
+                   default: Optional[int] = None) -> int:
+        """A choice's max_tokens, as vLLM's server gives it: when asked for, it must fit the context
+        with the prompt (else a 400 naming both numbers); when not, `default` (None: no bound) capped
+        to what the context has left. A prompt that leaves no room is the engine's to refuse."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return max(1, room if default is None else min(default, room))
+        if room >= 1 and requested > room:
+            raise APIError(
+                400, f"{param}: {requested} is too large: this model's maximum context length is {self.max_model_len} "
+                     f"tokens and the prompt has {num_prompt_tokens} ({num_prompt_tokens} + {requested} > "
+                     f"{self.max_model_len}); ask for at most {room}, or leave {param} out to get what remains",
+                code="context_length_exceeded", param=param)
+        return requested
+
     def encode(self, tok, text: str, **kw) -> list[int]:
         try:
             return list(tok(text, **kw)["input_ids"])
@@ -69,14 +95,18 @@ class PromptReader:
                 raise
             return list(tok(text, **kw)["input_ids"])
 
-    def tokenize(self, tok, text: str, param: str, **kw) -> list[int]:
-        """Token ids of `text`; a text far over the context length is refused after tokenising
-        only its head (a token never spans the cut by more than a few ids; 16 are allowed)."""
+    def refuse_far_too_long(self, tok, text: str, param: str, **kw) -> None:
+        """A text far over the context length is refused after tokenising only its head (a token
+        never spans the cut by more than a few ids; 16 are allowed)."""
         head_chars = max(64 * self.max_model_len, 1 << 16)
         if len(text) > head_chars:
             head = self.encode(tok, text[:head_chars], **kw)
             if len(head) >= self.max_model_len + 16:
                 raise self.too_long(f"more than {len(head) - 16}", param)
+
+    def tokenize(self, tok, text: str, param: str, **kw) -> list[int]:
+        """Token ids of `text` (refused early when it is far over the context length)."""
+        self.refuse_far_too_long(tok, text, param, **kw)
         return self.encode(tok, text, **kw)
 
 
@@ -140,12 +170,28 @@ class PromptReader:
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
+        text = self.template(tok, messages, tokenize=False)
+        self.refuse_far_too_long(tok, text, "messages", add_special_tokens=False)
+        return req, self.template(tok, messages, tokenize=True)
+
+    @staticmethod
+    def template(tok, messages: list[dict], tokenize: bool):
+        """The chat template over `messages`: its text, or its token ids with every message string
+        tokenised as text. A control token (the tokenizer's special tokens, and the added tokens the
+        template writes: `<|endoftext|>`, `<|im_start|>`...) written in a message is encoded as the
+        ordinary tokens of its text, so a client cannot forge a turn; the template's own control
+        tokens stay control tokens (transformers' apply_chat_template(sanitize_control_tokens=True):
+        it marks them in the messages before rendering and encodes the marked ones as text)."""
+        if tokenize and not _can_sanitize(type(tok)):
+            raise APIError(500, "this server's transformers cannot keep chat messages apart from the template's "
+                                "control tokens; upgrade transformers", type="server_error", code="internal_error")
+        kw = {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True} if tokenize else \
+            {"tokenize": False}
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
         except Exception as e:  # noqa: BLE001 -- a template that refuses these messages
             logger.info("the chat template refused a request: %s: %s", type(e).__name__, e)
             raise APIError(400, f"messages: the chat template refused them: {clip(str(e), 200)}",
                            param="messages") from None
-        ids = self.tokenize(tok, text, "messages", add_special_tokens=False)
-        return req, ids
+        return list(out) if tokenize else out
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .sampling import SamplingParams
+from .sampling import MAX_STOP_STRINGS, SamplingParams
 
 MAX_JSON_DEPTH = 64  # nesting levels a request body may have (OpenAI bodies need about 6)
 MAX_STOP_TOKEN_IDS = 1024  # checked by the engine on every token
@@ -45,12 +45,19 @@ class APIError(Exception):
         return AsciiJSON(self.body(), status_code=self.status, headers=headers or None)
 
 
+def json_text(obj: Any) -> str:
+    """Strict JSON, the one encoder of every body and SSE event: every non-ASCII character escaped
+    (a message quoting the client's input cannot fail to encode: a lone surrogate is legal in JSON
+    but not in UTF-8), and no NaN / Infinity (not JSON; strict clients refuse them): a non-finite
+    number is a bug, so it raises ValueError here and shows as an error, never as invalid JSON."""
+    return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
 class AsciiJSON(JSONResponse):
-    """JSON with every non-ASCII character escaped: a message quoting the client's input cannot
-    fail to encode (a lone surrogate is legal in JSON but not in UTF-8)."""
+    """A JSON response encoded by `json_text`."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        return json_text(content).encode("ascii")
 
 
 
@@ -158,7 +165,7 @@ class DrafterRollbackRequest(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[_MaxTokens] = 16
+    max_tokens: Optional[_MaxTokens] = None  # not given: 16, capped to what the context has left
     logprobs: Optional[_Logprobs] = None  # the top alternatives per token
     echo: bool = False  # the prompt before the completion (with its log-probabilities when logprobs is set)
     suffix: Optional[str] = None
@@ -205,17 +212,29 @@ def _utf8_ok(text: str) -> bool:
     return True
 
 
+# lists with a bound of their own, smaller than the body's (top level, or inside extra_body): a list over it is
+# refused naming that bound, the one the engine applies
+FIELD_MAX_ITEMS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS}
+
+
+def _max_items(where: tuple, max_items: int) -> int:
+    top = len(where) == 1 or (len(where) == 2 and where[0] == "extra_body")
+    return min(FIELD_MAX_ITEMS.get(where[-1], max_items), max_items) if top else max_items
+
+
 def check_json(data: Any, max_items: int, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Bound the nesting depth and the length of lists, and refuse strings UTF-8 cannot carry,
-    naming the field. Iterative: no recursion, whatever the input."""
+    """Bound the nesting depth and the length of lists (FIELD_MAX_ITEMS: the fields with a bound of
+    their own), and refuse strings UTF-8 cannot carry, naming the field. Iterative: no recursion,
+    whatever the input."""
     stack = [(data, 1, ())]
     while stack:
         node, depth, where = stack.pop()
         if depth > max_depth:
             raise APIError(400, f"the request body nests deeper than {max_depth} levels (at {_path(where)})",
                            code="invalid_json", param=_path(where))
-        if isinstance(node, list) and len(node) > max_items:
-            raise APIError(400, f"{_path(where) or 'body'}: {len(node)} items; at most {max_items}",
+        limit = _max_items(where, max_items) if where else max_items
+        if isinstance(node, list) and len(node) > limit:
+            raise APIError(400, f"{_path(where) or 'body'}: {len(node)} items; at most {limit}",
                            code="invalid_value", param=_path(where))
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:

@@ -10,7 +10,7 @@ import hashlib
 from typing import Annotated, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import RequestError
 
@@ -21,9 +21,18 @@ MAX_TOKENS_LIMIT = 2**31
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 2048  # stop strings are checked against the text at every token
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs bound)
 
+# A temperature below this is greedy: sampling at T is computed as its limit T -> 0, the argmax. Why this
+# bound: logits / T overflows fp32 (3.4e38) once T is below ~1e-37 for ordinary logits, and softmax of
+# inf - inf is NaN; long before that the law is already the argmax's in fp32: at T = 1e-5 a logit gap of
+# 1e-3 (below bf16's resolution of logits near 10) weighs the runner-up by exp(-100) ~ 4e-44, under fp32's
+# smallest normal number. 1e-5 is also vLLM's _SAMPLING_EPS, so clients see the same rule there and here.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class SamplingParams(BaseModel):
-    """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable the filters."""
+    """How one request samples. temperature 0 is greedy (so is any temperature below GREEDY_TEMPERATURE,
+    stored as 0); top_k 0 and top_p 1 disable the filters; the top token is always in the nucleus,
+    however small top_p."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # floats must be finite
 
@@ -46,6 +55,12 @@ class SamplingParams(BaseModel):
     # per-request k (capped by the config's)
     num_speculative_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, t: float) -> float:
+        # stored as 0.0, so every part that reads it (the step, the drafters, verification) is greedy alike
+        return 0.0 if t < GREEDY_TEMPERATURE else t
+
     def __init__(self, **kwargs):
         try:
             super().__init__(**kwargs)
@@ -61,12 +76,18 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
+def greedy_rows(temperature: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows whose temperature is greedy (below GREEDY_TEMPERATURE, 0 included)."""
+    return temperature < GREEDY_TEMPERATURE
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     """Temperature, top-k and top-p applied per row. logits [B, V] fp32; temperature/top_p [B]
     float, top_k [B] long (0 = off), all three on the logits' device (a CPU tensor beside CUDA
-    logits raises). Greedy rows (temperature 0) are left unscaled. Returns the processed logits,
-    -inf outside each row's nucleus; softmax of them is the sampling law."""
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits raises). Greedy rows (`greedy_rows`) are left unscaled. The nucleus always keeps each
+    row's top token (a top_p that rounds to 0 in fp32 keeps just that one). Returns the processed
+    logits, -inf outside each row's nucleus; softmax of them is the sampling law."""
+    temp = torch.where(greedy_rows(temperature), torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1.0).any())
@@ -82,6 +103,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # drop a token once the mass before it already reaches top_p (the top token always stays)
         remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        remove[:, 0] = False  # the most likely token is always in the nucleus (top_p may be 0 in fp32)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -119,8 +141,8 @@ def race_sample(probs: torch.Tensor, seeds=(), positions=(), purpose: int = SAMP
 def sample(logits, temperature, top_k, top_p, seeds, positions):
     """Sample one token per row. logits [B, V] fp32; seeds [B] long (-1 = unseeded); positions [B]
     long (index of the token being generated, for seeding); every argument on the logits' device.
-    Greedy rows (temperature 0) take the argmax; the others `race_sample`. Returns token ids [B] long."""
-    greedy = temperature == 0
+    Greedy rows (`greedy_rows`) take the argmax; the others `race_sample`. Returns token ids [B] long."""
+    greedy = greedy_rows(temperature)
     argmax = logits.argmax(dim=-1)
     if bool(greedy.all()):
         return argmax

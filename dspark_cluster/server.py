@@ -24,13 +24,24 @@ Hardening at the edge: bodies over `max_body_bytes` get a 413 before they are pa
 first, then counted while a chunked body is read); JSON nested deeper than 64 levels, lists longer
 than max(max_model_len, 4096), strings UTF-8 cannot carry (lone surrogates) and numbers the engine
 cannot represent (seed / top_k / token ids outside int64, non-finite floats) get a 400 naming the
-field. Parsing, chat templating and tokenisation run in a small thread pool, so a large request
-never stalls `/health` or other streams.
+field; an explicit `max_tokens` / `max_completion_tokens` that does not fit the context with the
+prompt is a 400 naming both numbers (absent: what the context has left, at most 16 in completions).
+Parsing, chat templating and tokenisation run in a small thread pool, so a large request never
+stalls `/health` or other streams. Below the app (`HTTPLimits`, uvicorn's h11 protocol extended):
+a request's head must arrive within `header_timeout_s`, its body within `body_timeout_s` (else the
+connection is closed, a body's with a 408), and past `max_connections` a new connection gets a 503
+and is closed. Chat messages are text: the tokenizer's control tokens (`<|endoftext|>`,
+`<|im_start|>`...) written in a message are tokenised as ordinary text, never as control tokens.
+Every body and SSE event is strict JSON (no NaN / Infinity; log-probabilities of impossible tokens
+are -9999.0, as vLLM shows them). `GET /openapi.json` is off unless `openapi=True` (`--openapi`),
+then behind the API key; `/docs` and `/redoc` are never served.
 Clients never see internals: an unexpected failure is logged with its request id (also sent as the
 `x-request-id` header) and answered with a message naming only the problem; an engine failure is a
-503. `/health` is 503 while the engine is restarting or has failed.
+503. `/health` is 503 while the engine is restarting or has failed, and 200 with status "degraded" and
+the reason while it serves but a background part (the calibrator, expert staging, a drafter restart)
+has not progressed for `parallel.stall_after_s`.
 
-    dspark serve [CONFIG] --host 127.0.0.1 --port 8000 --api-key KEY --max-body-mb 8
+    DSPARK_API_KEY=KEY dspark serve [CONFIG] --host 127.0.0.1 --port 8000 --max-body-mb 8
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .client import EngineClient
 from .errors import RequestError
-from .http_edge import DEFAULT_MAX_BODY_BYTES, CountRequests, LimitBody, ServerMetrics, request_id
+from .http_edge import DEFAULT_MAX_BODY_BYTES, CountRequests, HTTPLimits, LimitBody, ServerMetrics, request_id
 from .openai_generation import SSEResponse, collect_unless_gone, sse_events, start
 from .openai_logprobs import LogprobFormat
 from .openai_prompts import PromptReader
@@ -64,10 +75,13 @@ HTTP_THREADS = 4  # the pool that parses, templates and tokenises (off the event
 
 
 def build_app(client, served_model_name: str, api_key: Optional[str] = None,
-              max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, health_timeout_s: float = 5.0) -> FastAPI:
+              max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, health_timeout_s: float = 5.0,
+              openapi: bool = False) -> FastAPI:
     """The FastAPI app over `client` (an EngineClient); bodies over `max_body_bytes` get a 413
     (None or 0: no limit). The context length is the engine's (client.max_model_len), which its
-    InputProcessor enforces on every prompt."""
+    InputProcessor enforces on every prompt. openapi: serve the schema at GET /openapi.json, behind
+    the API key like /v1/* (off by default: it lists every route, /admin/* included); FastAPI's
+    /docs and /redoc pages are never served (they fetch the schema without the key)."""
     max_model_len = int(client.max_model_len)
     metrics = ServerMetrics()
     reader = PromptReader(client, served_model_name, max_model_len)
@@ -83,7 +97,7 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="DSpark Cluster", description="OpenAI-compatible MoE serving", docs_url=None, redoc_url=None,
-                  lifespan=lifespan)
+                  openapi_url=None, lifespan=lifespan, default_response_class=AsciiJSON)  # AsciiJSON: strict JSON
     app.state.client, app.state.metrics, app.state.served_model_name = client, metrics, served_model_name
     app.state.max_body_bytes = max_body_bytes
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
@@ -142,8 +156,12 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
                                         "failed": "the engine failed and stopped serving"}.get(state, state)
             return AsciiJSON({"status": state, "reason": clip(str(reason), 500), "restarts": s.get("restarts", 0)},
                               status_code=503)
-        return {"status": "ok", "running": s.get("running"), "waiting": s.get("waiting"),
-                "restarts": s.get("restarts", 0)}
+        out = {"status": "ok", "running": s.get("running"), "waiting": s.get("waiting"),
+               "restarts": s.get("restarts", 0)}
+        degraded = s.get("degraded") or []
+        if degraded:  # a background part stopped (heartbeat.py): still serving, so 200 and load balancers route on
+            out.update(status="degraded", reason=clip("; ".join(map(str, degraded)), 500))
+        return out
 
     @app.get("/metrics")
     async def prometheus():
@@ -182,6 +200,12 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
         return {"id": served_model_name, "object": "model", "created": created, "owned_by": "dspark",
                 "root": client.model_path, "max_model_len": max_model_len}
 
+    if openapi:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_schema(request: Request):
+            check_auth(request)
+            return AsciiJSON(app.openapi())
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         check_auth(request)
@@ -203,7 +227,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
     async def completions(request: Request):
         check_auth(request)
         req, prompts = await off_loop(reader.completion, await request.body())
-        rid, gen = await start(client, metrics, request, req, prompts, [req.max_tokens or 16] * len(prompts), "cmpl")
+        max_tokens = [reader.max_tokens(req.max_tokens, "max_tokens", len(p), default=16) for p in prompts]
+        rid, gen = await start(client, metrics, request, req, prompts, max_tokens, "cmpl")
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -249,7 +274,8 @@ def build_app(client, served_model_name: str, api_key: Optional[str] = None,
     async def chat_completions(request: Request):
         check_auth(request)
         req, ids = await off_loop(reader.chat, await request.body())
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(max_model_len - len(ids), 1)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = reader.max_tokens(req.max_completion_tokens or req.max_tokens, param, len(ids))
         rid, gen = await start(client, metrics, request, req, [ids], [max_tokens], "chatcmpl",
                                prompt_param="messages")
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
@@ -287,9 +313,20 @@ def default_model_name(cfg) -> str:
     return os.path.basename(str(cfg.model.path).rstrip("/")) or "model"
 
 
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits: HTTPLimits = HTTPLimits(),
+                   log_level: str = "info"):
+    """The uvicorn.Config `serve` runs `app` with: the connection's limits (read deadlines, the
+    connection cap: `HTTPLimits`) enforced by uvicorn's h11 protocol, extended."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          **limits.uvicorn_settings())
+
+
 def serve(cfg, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           served_model_name: Optional[str] = None, log_level: str = "info",
-          max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES) -> None:
+          max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, limits: HTTPLimits = HTTPLimits(),
+          openapi: bool = False) -> None:
     """Start the engine the config asks for (in process or a Router actor) and serve it until
     interrupted; the engine is shut down on the way out."""
     import uvicorn
@@ -302,12 +339,17 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str]
     name = served_model_name or default_model_name(cfg)
     client = EngineClient.start(cfg)
     try:
-        app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes)
+        app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes, openapi=openapi)
         auth = "on" if api_key else "off"
         limit = f"{max_body_bytes / 2**20:g} MiB" if max_body_bytes else "none"
         print(f"dspark serve: model '{name}' ({cfg.parallel.executor} executor) on http://{host}:{port}/v1 "
-              f"(API key {auth}, max_model_len {client.max_model_len}, body limit {limit})", flush=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+              f"(API key {auth}, max_model_len {client.max_model_len}, body limit {limit}, header/body timeouts "
+              f"{limits.header_timeout_s:g}/{limits.body_timeout_s:g} s, at most {limits.max_connections} "
+              "connections)", flush=True)
+        server = uvicorn.Server(uvicorn_config(app, host, port, limits, log_level))
+        server.run()
+        if not server.started:  # e.g. the port is taken (uvicorn logged why), as uvicorn.run exits
+            raise SystemExit(3)
     finally:
         client.shutdown()
 

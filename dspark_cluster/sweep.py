@@ -128,8 +128,9 @@ def run_sweep(config, grid: list[tuple[str, list]], overrides=None, name: Option
     name = name or base_cfg.report.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     out_dir = Path(base_cfg.report.out_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
+    if run is None:  # a run of the caller's (a simulation) brings its own backends, or none
+        prepare_backends([p.cfg for p in valid])  # one Ray instance for every point, sized for the largest
     run = run or (lambda cfg: run_experiment(cfg, progress=False))
-    prepare_backends([p.cfg for p in valid])  # one Ray instance for every point, sized for the largest
     log(f"sweep: {len(points)} points ({len(valid)} valid) over {', '.join(k for k, _ in grid)} -> {out_dir}/")
     t_sweep = time.monotonic()
     for n, p in enumerate(points, 1):

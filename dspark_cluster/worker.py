@@ -123,9 +123,9 @@ class Worker:
         block_size = self.cfg.scheduler.block_size
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
         self.num_blocks = num_blocks
-        # the graphs read the cache: compiled after it. Not with expert parallelism: a compiled step pads its batch
-        # to a bucket, past the padded all-to-all's capacity, which the engine sizes from the unpadded step
-        if resolve_compile(self.cfg.model.compile, self.device) and not self.dispatchers:
+        # the graphs read the cache: compiled after it. With expert parallelism the engine sizes the padded
+        # all-to-all from the bucket a decode step is padded to (LLMEngine.decode_buckets)
+        if resolve_compile(self.cfg.model.compile, self.device):
             self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device)
             self.compiled.warm_up()
         return kv_bytes_per_block(self.model, block_size)

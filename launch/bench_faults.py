@@ -1,4 +1,4 @@
-"""Kill one ShardWorker (SIGKILL) at a random moment while 64 requests stream, several times.
+"""Kill one ShardWorker, or the Router (SIGKILL), at a random moment while requests stream, several times.
 
 One Router (executor ray) serves every trial. A fault-free pass first gives the reference tokens
 and the pass's duration; then each trial streams the same requests, kills a random target worker
@@ -6,7 +6,12 @@ at a random moment inside that duration, and records: requests completed, output
 fault-free pass (greedy), and the pause clients saw: the longest silence from the kill on, i.e.
 the restart (new workers, shards loaded, KV allocated) plus recomputing the requests' tokens so far.
 
-    python launch/bench_faults.py [--trials 10] [--requests 64] [--tensor 2] [--out runs/faults.json]
+With `--kill router` the Router actor is the one killed: the client (the driver's RouterClient)
+starts a new Router and re-submits every request in flight after the tokens it has streamed.
+`--speculative dspark` serves with the bundled DSpark drafter (a drafter actor group).
+
+    python launch/bench_faults.py [--kill worker|router] [--trials 10] [--requests 64] [--tensor 2]
+        [--speculative none|dspark] [--out runs/faults.json]
 """
 
 from __future__ import annotations
@@ -56,12 +61,18 @@ async def stream_all(client: EngineClient, prompts, params):
     return results, arrivals
 
 
-async def trial(client, prompts, params, kill_after_s: float):
+async def victim_pid(client, kill: str) -> int:
+    if kill == "router":
+        return await client.router.pid.remote()
+    return random.choice(worker_pids())
+
+
+async def trial(client, prompts, params, kill_after_s: float, kill: str = "worker"):
     killed = {}
 
     async def killer():
         await asyncio.sleep(kill_after_s)
-        pid = random.choice(worker_pids())
+        pid = await victim_pid(client, kill)
         killed["at"] = time.monotonic()
         os.kill(pid, signal.SIGKILL)
 
@@ -76,6 +87,10 @@ async def trial(client, prompts, params, kill_after_s: float):
     return results, {"kill_at_s": killed["at"] - t0, "duration_s": time.monotonic() - t0, "recovery_s": pause}
 
 
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="YAML (default: the bundled tiny config)")
@@ -84,11 +99,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--tensor", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill", choices=["worker", "router"], default="worker")
+    ap.add_argument("--speculative", choices=["none", "dspark"], default="none")
     ap.add_argument("--out", default="runs/faults.json")
     args = ap.parse_args()
     random.seed(args.seed)
+    spec = [] if args.speculative == "none" else [
+        "speculative.method=dspark", "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4"]
     cfg = load_config(args.config, [f"parallel.executor=ray", f"parallel.tensor={args.tensor}",
-                                    f"parallel.max_restarts={args.trials + 1}", "eplb.enabled=false"])
+                                    f"parallel.max_restarts={args.trials + 1}", "eplb.enabled=false", *spec])
     prompts = read_prompts(DEFAULT_PROMPTS)[: args.requests]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     client = EngineClient.start(cfg)
@@ -101,25 +120,30 @@ def main() -> None:
         print(f"fault-free pass: {len(prompts)} requests x {args.max_tokens} tokens in {clean_s:.2f} s", flush=True)
         for i in range(args.trials):
             kill_after = random.uniform(0.1, 0.9) * clean_s
-            results, row = asyncio.run(trial(client, prompts, params, kill_after))
+            results, row = asyncio.run(trial(client, prompts, params, kill_after, args.kill))
             stats = asyncio.run(client.stats())
+            restarts = stats.get("router_restarts", 0) if args.kill == "router" else stats["restarts"]
             row.update(trial=i + 1, completed=sum(not isinstance(r, BaseException) for r in results),
-                       identical=sum(r == b for r, b in zip(results, base)), restarts=stats["restarts"],
+                       identical=sum(r == b for r, b in zip(results, base)), restarts=restarts,
                        state=stats["state"], kv_blocks_used=stats["kv_blocks_used"],
                        restart_teardown_s=(stats["last_restart"] or {}).get("teardown_s"),
                        restart_start_s=(stats["last_restart"] or {}).get("start_s"),
                        errors=sorted({type(r).__name__ for r in results if isinstance(r, BaseException)}))
             rows.append(row)
+            if args.kill == "router":
+                row["router_pause_s"] = (stats.get("last_router_restart") or {}).get("pause_s")
+                row["restart_teardown_s"], row["restart_start_s"] = 0.0, row["router_pause_s"] or 0.0
             rec = f"{row['recovery_s']:.2f} s" if row["recovery_s"] is not None else "-"
-            print(f"trial {i + 1:2d}: kill at {row['kill_at_s']:.2f} s, completed {row['completed']}/{len(prompts)}, "
+            print(f"trial {i + 1:2d}: kill {args.kill} at {row['kill_at_s']:.2f} s, completed {row['completed']}/{len(prompts)}, "
                   f"identical {row['identical']}/{len(prompts)}, pause after the kill {rec}, "
-                  f"(teardown {row['restart_teardown_s']:.2f} s + new workers {row['restart_start_s']:.2f} s), "
+                  f"(teardown {_s(row['restart_teardown_s'])} + new workers {_s(row['restart_start_s'])}), "
                   f"pass {row['duration_s']:.2f} s, restarts {row['restarts']}, KV used after {row['kv_blocks_used']}",
                   flush=True)
     finally:
         client.shutdown()
     recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
     summary = {
+        "kill": args.kill, "speculative": args.speculative,
         "trials": len(rows), "requests_per_trial": len(prompts), "max_tokens": args.max_tokens,
         "tensor": args.tensor, "fault_free_pass_s": clean_s,
         "all_completed": all(r["completed"] == len(prompts) for r in rows),

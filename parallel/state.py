@@ -6,6 +6,7 @@ own (separate processes, their own rendezvous), with TP groups of `speculative.d
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -24,6 +25,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def local_address_towards(addr: str, port: int = 9) -> str:
+    """This host's address on the route to `addr` (a UDP connect only picks the route; nothing is
+    sent). For rank 0's own address it is that address; for 127.0.0.1, 127.0.0.1."""
+    family, kind, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
+def interface_of(address: str) -> "str | None":
+    """The network interface holding `address`, or None."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+_gloo_ifname_set = None  # the GLOO_SOCKET_IFNAME init_parallel set (one a user set is never replaced)
+
+
+def bind_gloo_to_route(master_addr: str) -> "str | None":
+    """Make gloo's pairs listen on the interface that reaches rank 0. Left alone, gloo binds to the
+    address the host name resolves to, and falls back to 127.0.0.1 when that is not a local
+    address (a host whose name maps to 127.0.0.1 or to another interface, a container, a network
+    namespace): the peers on other hosts are then told to connect to 127.0.0.1 and the world never
+    forms ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). A GLOO_SOCKET_IFNAME the user set
+    wins. Returns the interface used, or None."""
+    global _gloo_ifname_set
+    current = os.environ.get("GLOO_SOCKET_IFNAME")
+    if current and current != _gloo_ifname_set:
+        return current
+    try:
+        iface = interface_of(local_address_towards(master_addr))
+    except OSError:
+        iface = None
+    if iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = _gloo_ifname_set = iface
+    return iface
 
 
 @dataclass
@@ -62,6 +107,8 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
     from datetime import timedelta
 
     backend = resolve_backend(backend, device)
+    if backend == "gloo":
+        bind_gloo_to_route(master_addr)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

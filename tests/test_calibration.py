@@ -416,6 +416,11 @@ def test_versions_publish_to_the_whole_drafter_group_through_ray(checkpoint, ran
         assert 1 <= reports[0]["version"] <= llm.drafter_status()["serving_version"] and v >= 1
         assert reports[0]["weights_sum"] == reports[1]["weights_sum"]
         assert st["calibrator"]["buffer"]["rounds_kept"] > 0 and st["history"][-1]["shadow"]["tau"] > 0
+        # the calibrator actor's heartbeat reaches the engine without a wait (asked once a second, in the background)
+        while (beat := {b["part"]: b for b in llm.drafter_status()["background"]}["calibrator"])["activity"] == "starting":
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.1)
+        assert not beat["stalled"] and beat["seconds_since_progress"] >= 0 and not llm.drafter_status()["stalled"]
         assert llm.rollback_drafter(None)["serving_version"] == 0  # and held there
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == base
         assert {ray.get(ray.get_actor(n).version_report.remote())["version"] for n in names} == {0}

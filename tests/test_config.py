@@ -84,3 +84,21 @@ def test_missing_files_and_bad_overrides():
         load_config({"model": {"path": "/nowhere"}})
     with pytest.raises(ConfigError, match="key.path=value"):
         load_config(None, ["scheduler.block_size"])
+
+
+@pytest.mark.parametrize("method, draft, fix", [
+    ("dspark", "tiny-draft", "use speculative.method: draft_model for a plain causal LM"),
+    ("draft_model", "tiny-dspark", "use speculative.method: dspark"),
+])
+def test_a_drafter_of_the_wrong_kind_is_one_config_error_from_the_cli(method, draft, fix, tmp_path, monkeypatch,
+                                                                      capsys):
+    """`speculative.method: dspark` pointed at a plain causal LM (and the reverse): the ConfigError's one
+    line names the field, the value and the fix, and nothing else is printed (no traceback)."""
+    from dspark_cluster.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--set", f"speculative.method={method}", "--set", f"speculative.draft_model={draft}",
+                 "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: invalid configuration: speculative.draft_model: got '") and f"{draft}'" in line
+    assert fix in line

@@ -124,3 +124,22 @@ def test_tokenizer_text_prompts_and_streaming(checkpoint, tmp_path):
     gen.close()
     assert llm.engine.block_manager.num_free == llm.engine.num_blocks
     assert out.metrics["ttft_s"] > 0 and out.metrics["num_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_truncated_checkpoint_is_one_error_line_from_the_cli(command, tmp_path, monkeypatch, capsys):
+    """A download or copy that stopped midway: `dspark run` / `dspark serve` print one CheckpointError
+    line naming the file and the fix, not safetensors' traceback."""
+    from dspark_cluster.cli import main
+    from dspark_cluster.config import ASSETS_DIR
+
+    dst = tmp_path / "truncated"
+    shutil.copytree(ASSETS_DIR / "tiny-moe", dst)
+    f = dst / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--set", f"model.path={dst}", *(["--no-progress"] if command == "run" else [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {f}: not a readable safetensors file") and "truncated" in err[0]
+    assert "download or save the checkpoint again" in err[0]

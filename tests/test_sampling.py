@@ -142,3 +142,77 @@ def test_bad_prompts_are_refused_and_others_keep_running(checkpoint):
     # max_model_len caps generation
     long = llm.generate([list(range(2, 60))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert len(long.token_ids) == 64 - 58 and long.finish_reason == "length"
+
+
+# ---- extreme values are computed as their limits (issue 29) ---------------------------------------------
+
+
+def _rows(logits, temperature, top_p=1.0):
+    B = logits.shape[0]
+    return dict(temperature=torch.full((B,), temperature), top_k=torch.zeros(B, dtype=torch.long),
+                top_p=torch.full((B,), top_p), seeds=torch.full((B,), -1), positions=torch.zeros(B, dtype=torch.long))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8, 9e-6])
+def test_a_tiny_temperature_is_greedy(temperature):
+    """logits / T overflows fp32 below ~1e-37 (softmax of inf - inf is NaN); the limit T -> 0 is the argmax."""
+    torch.manual_seed(3)
+    logits = torch.randn(64, 50) * 8
+    r = _rows(logits, temperature)
+    assert torch.equal(sample(logits, r["temperature"], r["top_k"], r["top_p"], r["seeds"], r["positions"]),
+                       logits.argmax(-1))
+    assert torch.isfinite(filter_logits(logits, r["temperature"], r["top_k"], r["top_p"])).all()
+    p = SamplingParams(temperature=temperature)
+    assert p.temperature == 0.0 and p.greedy  # stored as greedy: the drafters and the step read 0
+    assert SamplingParams(temperature=1e-3).temperature == 1e-3 and not SamplingParams(temperature=1e-3).greedy
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    """top_p = 1e-300 is 0 in fp32: the nucleus still holds the most likely token, so sampling is the argmax."""
+    torch.manual_seed(4)
+    logits = torch.randn(64, 50) * 3
+    r = _rows(logits, 1.0, top_p=1e-300)
+    assert float(r["top_p"][0]) == 0.0
+    kept = torch.isfinite(filter_logits(logits, r["temperature"], r["top_k"], r["top_p"]))
+    assert kept.sum(-1).tolist() == [1] * 64 and torch.equal(kept.float().argmax(-1), logits.argmax(-1))
+    out = sample(logits, r["temperature"], r["top_k"], r["top_p"], r["seeds"], r["positions"])
+    assert torch.equal(out, logits.argmax(-1))
+    assert SamplingParams(top_p=1e-300).top_p == 1e-300  # valid (> 0): its limit is computed, not refused
+
+
+def test_verification_treats_a_tiny_temperature_as_greedy():
+    """spec_decode.verify with T = 1e-40 rows: no NaN in the rejection sampler; it is greedy verification."""
+    from dspark_cluster.speculative.spec_decode import verify
+
+    torch.manual_seed(5)
+    S, K, V = 6, 3, 40
+    logits = torch.randn(S, K + 1, V) * 6
+    drafts = logits[:, :K].argmax(-1)
+    drafts[::2, 1] = (drafts[::2, 1] + 1) % V  # some rows' second draft is wrong
+    q = torch.full((S, K, V), 1.0 / V)
+    args = lambda t: (torch.full((S,), t), torch.zeros(S, dtype=torch.long), torch.ones(S),  # noqa: E731
+                      torch.full((S,), -1), torch.zeros(S, dtype=torch.long))
+    tiny = verify(logits, drafts, torch.full((S,), K), q, *args(1e-40))
+    greedy = verify(logits, drafts, torch.full((S,), K), q, *args(0.0))
+    assert torch.equal(tiny[0], greedy[0]) and torch.equal(tiny[1], greedy[1])
+    assert tiny[1].tolist() == [2 if s % 2 == 0 else K + 1 for s in range(S)]
+
+
+def test_a_tiny_temperature_with_speculation_is_greedy_and_finite(checkpoint):
+    """The whole path at T = 1e-40 (drafter, verification, log-probabilities): greedy output, finite numbers."""
+    import math
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(path, config={"parallel": {"executor": "local"}, "scheduler": {"block_size": 4, "num_kv_blocks": 256},
+                            "speculative": {"method": "draft_model", "draft_model": str(path), "num_tokens": 3,
+                                            "schedule": "static"}})
+    try:
+        prompts = random_prompts([5, 9, 12], seed=7)
+        greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        tiny = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1e-40, ignore_eos=True, logprobs=2))
+        assert [o.token_ids for o in tiny] == [o.token_ids for o in greedy]
+        assert llm.engine.drafter.stats.summary()["num_draft_tokens"] > 0
+        lps = [x for o in tiny for e in o.logprobs for x in (e.logprob, *(lp for _, lp in e.top))]
+        assert len(lps) == 3 * 10 * 3 and all(math.isfinite(x) for x in lps)
+    finally:
+        llm.shutdown()

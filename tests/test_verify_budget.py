@@ -119,6 +119,21 @@ def test_draft_cost_scales_with_forwards():
     assert draft_forwards("dspark", 6) == 1 and draft_forwards("dspark", 0) == 0
 
 
+def test_draft_cost_past_the_rows_measured_grows_as_the_target_step_does():
+    """Measured on the exploration's 4 rows only, a drafter's cost at 128 rows follows the target's
+    step-cost shape (flat while weight-bound, then linear), not the row count: a GPU drafter of ~1 ms
+    is not taken for ~32 ms at 128 rows (the planner then stopped drafting where it paid)."""
+    shape = StepCost([1, 64, 512, 2048], [0.010, 0.010, 0.020, 0.080])  # flat to 64 tokens, then linear
+    d = DraftCost(shape=shape._profile, tokens_per_row=5)
+    d.observe(4, 1, 0.001)
+    assert d(4, 1) == pytest.approx(0.001)
+    assert d(8, 1) == pytest.approx(0.001)  # 40 tokens: still flat
+    assert d(128, 1) == pytest.approx(0.001 * float(shape._profile(640)) / 0.010)  # ~1.36 ms, not 32 ms
+    assert d(2, 1) == pytest.approx(0.0005)  # below what was measured: by rows (drafting is tried, then measured)
+    assert VerifyPlanner(4, shape, "dspark").draft_cost.tokens_per_row == 5
+    assert VerifyPlanner(4, shape, "draft_model").draft_cost.tokens_per_row == 1
+
+
 def test_planner_drafts_at_low_load_and_not_at_high_load():
     cost = StepCost([1, 16, 64, 256, 1024], [0.01, 0.01, 0.02, 0.08, 0.32])  # linear past 16 tokens
     p = VerifyPlanner(4, cost, "dspark", refit_every=50, min_rounds=50)

@@ -36,6 +36,11 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return sorted({b for b in DECODE_BUCKETS if b < max_num_seqs} | {max_num_seqs})
 
 
+def bucket_of(n: int, buckets: list[int]) -> int:
+    """The bucket a decode step of n rows is padded to (0 rows: none; the step runs eager)."""
+    return buckets[bisect.bisect_left(buckets, n)] if 0 < n <= buckets[-1] else n
+
+
 def resolve_compile(setting: str, device) -> bool:
     """model.compile -> on or off. auto: on for CUDA (graphs replay a decode step's thousands of
     launches); off on CPU, where a compiled decode forward measured ~1.3x faster at batch 1 but each
@@ -68,7 +73,7 @@ class CompiledDecode:
     def _padded(self, input_ids, context_lens, block_tables, block_size, Bp=None):
         """The step padded to its bucket (or to Bp rows): inputs, metadata and the real-row mask."""
         B = input_ids.numel()
-        Bp = Bp or self.buckets[bisect.bisect_left(self.buckets, B)]
+        Bp = Bp or bucket_of(B, self.buckets)
         ids = torch.zeros(Bp, dtype=torch.long)
         ids[:B] = input_ids
         ctx = torch.ones(Bp, dtype=torch.long)

@@ -27,6 +27,20 @@ from .spec import ModelSpec
 
 
 
+def _open(f: Path):
+    """safe_open, with a file it cannot read (truncated by a download or a copy that stopped, or not
+    safetensors at all) as one CheckpointError naming the file and the fix."""
+    try:
+        return safe_open(str(f), "pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: the checkpoint file is missing (listed in model.safetensors.index.json); "
+                              "download or save the checkpoint again") from None
+    except Exception as e:  # noqa: BLE001 -- safetensors' own error type (SafetensorError) is not public API
+        size = f.stat().st_size if f.exists() else 0
+        raise CheckpointError(f"{f}: not a readable safetensors file ({size} bytes; {e}): it is truncated or "
+                              "corrupt; download or save the checkpoint again") from None
+
+
 class CheckpointReader:
     """Name -> file index over a folder of *.safetensors; reads tensors or slices on demand.
     fp8_block: the checkpoint's quantization block (rows, cols), from config.json, or None;
@@ -46,7 +60,7 @@ class CheckpointReader:
         else:
             self.where = {}
             for f in files:
-                with safe_open(str(f), "pt") as h:
+                with _open(f) as h:
                     for k in h.keys():
                         self.where[k] = f
         self._handles = {}
@@ -54,7 +68,7 @@ class CheckpointReader:
 
     def _handle(self, f):
         if f not in self._handles:
-            self._handles[f] = safe_open(str(f), "pt")
+            self._handles[f] = _open(f)
         return self._handles[f]
 
     def has(self, name):

@@ -9,8 +9,9 @@ Data path:
 - that drafter keeps the sequence's rows and rounds until it ends, then hands one `SequenceSample`
   to the calibrator, whose `filter_sample` keeps what would not teach the drafter wrong;
 - the calibrator (`Calibrator`, on its own device: a Ray actor, or a thread in process) distils a
-  copy of the drafter on the `ReplayBuffer` with DeepSpeed, scores the candidate against the serving
-  version on held-back sequences (`shadow_scores`) and offers it when it wins by a margin;
+  copy of the drafter on the `ReplayBuffer` (AdamW in a world of one: no comm backend to build),
+  scores the candidate against the serving version on held-back sequences (`shadow_scores`) and
+  offers it when it wins by a margin;
 - the engine's `DrafterVersions` switches every drafter to it at a step boundary, watches live tau
   by version and rolls back. Verification stays lossless whatever the drafter does.
 

@@ -1,9 +1,12 @@
 """Online calibration of the DSpark drafter, the trainer and serving side (the data side, from the
 recorded rounds to the losses and shadow scores, is `calibration.py`):
 - `Calibrator` (on its own device: a Ray actor, or a thread in process) distils a copy of the
-  drafter on the `ReplayBuffer` with DeepSpeed, scores the candidate against the serving version
-  on held-back sequences (`shadow_scores`) and offers it (`Candidate`) when it wins by a margin;
-- `CalibrationLoop` runs its updates on a low-priority thread, at most one per interval;
+  drafter on the `ReplayBuffer` (`Trainer`: AdamW with gradient clipping, in a world of one),
+  scores the candidate against the serving version on held-back sequences (`shadow_scores`) and
+  offers it (`Candidate`) when it wins by a margin; base-version switches (`set_serving`) happen
+  between its updates only;
+- `CalibrationLoop` runs its updates on a low-priority thread, at most one per interval; the
+  calibrator's `heartbeat` says what it is doing and when it last progressed (heartbeat.py);
 - the engine's `DrafterVersions` switches every drafter to it at a step boundary, watches live tau
   by version and rolls back.
 """
@@ -22,8 +25,7 @@ from typing import Optional
 
 import torch
 
-from parallel.state import init_world_of_one
-
+from ..heartbeat import Heartbeat
 from .calibration import (ROUNDS_PER_SEQUENCE, ReplayBuffer, SequenceSample, collate, forward, group_rounds,
                           round_losses, shadow_scores)
 from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter, target_tables
@@ -42,13 +44,37 @@ class Candidate:
     meta: dict  # rounds_trained, steps, shadow (candidate's scores), serving_shadow, time
 
 
-class Calibrator:
-    """Distils a copy of the drafter on the replay buffer (DeepSpeed: optimiser step and states),
-    one update of `steps_per_update` steps at a time, and keeps a candidate that wins the shadow
-    evaluation for the engine to publish. Thread-safe: `add` and `status` may come from other
-    threads than `update`."""
+class Trainer:
+    """The optimiser of a world of one: AdamW (betas 0.9 / 0.95, no weight decay) with the gradients
+    clipped to norm 1.0 -- what DeepSpeed's engine ran here at ZeRO stage 0 with torch's AdamW, which
+    is all a single rank gets from it. Not DeepSpeed itself: its comm backend, which a world of one
+    does not need, JIT-compiles `deepspeed_shm_comm` at its first use on CPU (30 s at best, minutes
+    on a loaded machine), and a build stopped midway leaves a lock in the torch extensions cache that
+    every later calibrator on the machine waited on for ever (issue 29)."""
 
-    def __init__(self, cfg, target_spec, device="cpu", seed: int = 0, first_version: int = 1):
+    def __init__(self, model: torch.nn.Module, learning_rate: float, clip: float = 1.0):
+        self.module, self.clip = model, clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+
+
+class Calibrator:
+    """Distils a copy of the drafter on the replay buffer, one update of `steps_per_update`
+    optimiser steps at a time, and keeps a candidate that wins the shadow evaluation for the
+    engine to publish. Thread-safe: `add`, `set_serving` and `status` may come from other threads
+    than `update`; a switch of the serving version asked for during an update waits for its end
+    (the model it would load into is the one training) and that update's candidate is dropped."""
+
+    def __init__(self, cfg, target_spec, device="cpu", seed: int = 0, first_version: int = 1,
+                 stall_after_s: float = 120.0):
         sp = cfg.speculative
         self.cc = sp.calibration
         self.device = torch.device(device)
@@ -73,7 +99,10 @@ class Calibrator:
         self.inbox_dropped = 0  # sequences refused while the inbox held buffer_bytes (training kept it from draining)
         self.nonfinite_steps = 0  # optimiser steps skipped for a loss that was not finite
         self._rng = random.Random(seed)
-        self._engine = None  # DeepSpeed's, made at the first update (importing DeepSpeed takes seconds)
+        self._engine: Optional[Trainer] = None  # made at the first update
+        self.heartbeat = Heartbeat("calibrator", stall_after_s)
+        self._training = False  # an update is running: set_serving defers its switch to the update's end
+        self._switch: Optional[int] = None  # the serving version asked for meanwhile
         self._scratch: Optional[DSparkDrafter] = None  # scores the serving version in the shadow evaluation
         self.pending: Optional[Candidate] = None
         self.updates = self.steps = 0
@@ -114,19 +143,37 @@ class Calibrator:
     # ---- versions -----------------------------------------------------------------------------
     def set_serving(self, version: int, keep=None) -> None:
         """The engine published or rolled back to `version`: train on from its weights. `keep`: the
-        versions the engine may still roll back to (the others are dropped here too)."""
+        versions the engine may still roll back to (the others are dropped here too). During an
+        update the switch waits for its end (never a weight load into the model in training)."""
         with self._lock:
             self._offered = None
             if version not in self.versions:
                 raise KeyError(f"drafter version {version} is not held by the calibrator ({sorted(self.versions)})")
-            if version != self.serving:
-                self.serving = version
-                self.model.load_trained(self.versions[version])
-                self.model.train()
-                self.pending = None  # made from another base
+            if self._training:
+                if version != self.serving or self._switch is not None:
+                    # the latest ask wins (a publish then a rollback: the rollback), at the update's end
+                    self._switch = version
+                    self.pending = None  # made from another base
+            elif version != self.serving:
+                self._use(version)
             if keep is not None:
-                for v in [v for v in self.versions if v not in set(keep) | {0, version}]:
+                keep = set(keep) | {0, version, self.serving} | ({self._switch} - {None})
+                for v in [v for v in self.versions if v not in keep]:
                     self.versions.pop(v)
+
+    def _use(self, version: int) -> None:
+        """Train on from `version`'s weights (under _lock, never during an update)."""
+        self.serving = version
+        self.model.load_trained(self.versions[version])
+        self.model.train()
+        self.pending = None  # made from another base
+
+    def waiting(self, activity: str) -> None:
+        """The heartbeat rests (not expected to progress) unless an update runs (one called
+        directly, beside the loop, keeps its own heartbeat)."""
+        with self._lock:
+            if not self._training:
+                self.heartbeat.rest(activity)
 
     def take_candidate(self) -> Optional[Candidate]:
         with self._lock:
@@ -136,31 +183,19 @@ class Calibrator:
             return c
 
     # ---- training -----------------------------------------------------------------------------
-    def _deepspeed(self):
+    def _trainer(self) -> Trainer:
         if self._engine is None:
-            os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device.type == "cuda" else "cpu")
-            os.environ.setdefault("LOCAL_RANK", "0")  # what a DeepSpeed launcher would set
-            import deepspeed
-
-            # DeepSpeed wants a process group: the calibrator is a world of one (no port: an in-memory store)
-            init_world_of_one(self.device)
-            deepspeed.init_distributed(auto_mpi_discovery=False)  # wraps the group that exists
-            ds_cfg = {
-                "train_micro_batch_size_per_gpu": self.cc.batch_rounds, "gradient_accumulation_steps": 1,
-                "gradient_clipping": 1.0, "steps_per_print": 10**9,
-                "optimizer": {"type": "AdamW", "params": {"lr": self.cc.learning_rate, "betas": [0.9, 0.95],
-                                                          "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}},
-                "zero_optimization": {"stage": 0},
-            }
-            self._engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=list(self.model.parameters()),
-                                                         config=ds_cfg)
+            self.heartbeat.beat("setting up the optimiser")
+            self._engine = Trainer(self.model, self.cc.learning_rate)
         return self._engine
 
     def update(self) -> dict:
         """One update: train, score against the serving version on the held-back rounds, and keep
         the result as the pending candidate if it wins by `margin` (else go back to the serving
-        weights when it lost). Returns the update's record."""
+        weights when it lost). A switch of the serving version asked for meanwhile (set_serving)
+        takes effect at its end and drops its result. Returns the update's record."""
         t0, start = time.perf_counter(), time.monotonic()
+        self.heartbeat.beat("taking new rounds")
         self.take_inbox()
         with self._lock:
             train = self.buffer.rounds(held_out=False)
@@ -168,14 +203,49 @@ class Calibrator:
             self._rounds_at_update = self.buffer.total_kept
             serving_state = self.versions[self.serving]
             base_version = self.serving
-        if not train or not hold:
+            self._training = bool(train and hold)
+        if not self._training:
+            self.heartbeat.rest("waiting for training and held-back rounds")
             return {"skipped": "no training or held-back rounds yet"}
-        engine = self._deepspeed()
+        done = False
+        try:
+            record, cand, serve, wins = self._train_and_score(train, hold, serving_state, base_version)
+            record.update(seconds=round(time.perf_counter() - t0, 2), t_start=start, t_end=time.monotonic())
+            with self._lock:
+                self._training = False
+                if self._switch is not None:  # published or rolled back meanwhile: this update no longer applies
+                    record["outcome"] = (f"discarded (the serving version changed to {self._switch} during the "
+                                         "update)")
+                    self._use(self._switch)
+                    self._switch = None
+                else:
+                    record["outcome"] = self._offer(record, train, serving_state, base_version, cand, serve, wins)
+                self.model.train()
+                self.history.append(record)
+                del self.history[:-500]
+            done = True
+        finally:
+            with self._lock:  # a failed update: a switch asked for meanwhile still happens
+                self._training = False
+                if self._switch is not None:
+                    self._use(self._switch)
+                    self._switch = None
+            self.heartbeat.rest("idle after an update" if done else "idle after a failed update")
+        log.info("drafter calibration update %d: %s (shadow tau %.3f vs serving %.3f)", self.updates,
+                 record["outcome"], cand["tau"], serve["tau"])
+        return record
+
+    def _train_and_score(self, train, hold, serving_state, base_version) -> tuple:
+        """steps_per_update optimiser steps on the training rounds, then the shadow scores of the
+        result and of the serving version (outside _lock: set_serving waits for the update's end)."""
+        engine = self._trainer()
         S = self.c.block_size
         by_seq = group_rounds(train, 10**9)  # every sequence with all its training rounds
         n_seq = max(1, self.cc.batch_rounds // ROUNDS_PER_SEQUENCE)
-        metrics = {}
-        for _ in range(self.cc.steps_per_update):
+        metrics, loss = {}, torch.tensor(float("nan"))
+        n = self.cc.steps_per_update
+        for i in range(n):
+            self.heartbeat.beat(f"training update {self.updates + 1}: optimiser step {i + 1} of {n}")
             # batch_rounds rounds: ROUNDS_PER_SEQUENCE consecutive rounds of each of a few sequences,
             # one context forward each (consecutive: their context windows overlap most)
             groups = []
@@ -192,6 +262,7 @@ class Calibrator:
             engine.step()
             self.steps += 1
         self.updates += 1
+        self.heartbeat.beat(f"update {self.updates}: shadow evaluation against the serving version")
         self.model.load_trained(self.model.state_dict())  # drop the cached Markov factors
         try:
             cand = shadow_scores(self.model, hold, S, self.device)
@@ -200,36 +271,30 @@ class Calibrator:
             self.model.train()
         wins = cand["tau"] >= serve["tau"] * (1 + self.cc.margin) and cand["match"] >= serve["match"] * (1 - self.cc.margin)
         record = {"update": self.updates, "time": time.time(), "base_version": base_version,
-                  "train_rounds": len(train), "holdout_rounds": len(hold), "steps": self.cc.steps_per_update,
+                  "train_rounds": len(train), "holdout_rounds": len(hold), "steps": n,
                   "loss": round(float(loss.detach()), 4), "nonfinite_steps": self.nonfinite_steps, **{k: round(v, 4) for k, v in metrics.items()},
-                  "shadow": _round(cand), "serving_shadow": _round(serve), "seconds": round(time.perf_counter() - t0, 2),
-                  # monotonic clock (one per machine): which serving steps ran while this update trained
-                  "t_start": start, "t_end": time.monotonic()}
-        with self._lock:
-            if self.serving != base_version:  # rolled back meanwhile: this update no longer applies
-                record["outcome"] = "discarded (the serving version changed)"
-                self.model.load_trained(self.versions[self.serving])
-            elif wins:
-                v = self.next_version
-                self.next_version += 1
-                self.rounds_trained += len(train)
-                state = _cpu_state(self.model)
-                self.versions[v] = state
-                self.pending = Candidate(v, state, {"version": v, "rounds_trained": self.rounds_trained,
-                                                    "shadow": record["shadow"], "serving_shadow": record["serving_shadow"],
-                                                    "time": time.time(), "base_version": base_version})
-                record["outcome"] = f"candidate version {v}"
-            elif cand["tau"] < serve["tau"] or cand["match"] < serve["match"] * (1 - self.cc.margin):
-                record["outcome"] = "rejected: worse than the serving version; back to its weights"
-                self.model.load_trained(serving_state)
-            else:
-                record["outcome"] = "not yet better by the margin; training goes on"
-            self.model.train()
-            self.history.append(record)
-            del self.history[:-500]
-        log.info("drafter calibration update %d: %s (shadow tau %.3f vs serving %.3f)", self.updates,
-                 record["outcome"], cand["tau"], serve["tau"])
-        return record
+                  "shadow": _round(cand), "serving_shadow": _round(serve)}
+        # (seconds, and the monotonic clock's t_start / t_end, one per machine: which serving steps ran
+        # while this update trained, are added by update())
+        return record, cand, serve, wins
+
+    def _offer(self, record, train, serving_state, base_version, cand, serve, wins) -> str:
+        """The update's outcome (under _lock, no switch asked for meanwhile): a candidate, a
+        rejection (back to the serving weights), or training goes on."""
+        if wins:
+            v = self.next_version
+            self.next_version += 1
+            self.rounds_trained += len(train)
+            state = _cpu_state(self.model)
+            self.versions[v] = state
+            self.pending = Candidate(v, state, {"version": v, "rounds_trained": self.rounds_trained,
+                                                "shadow": record["shadow"], "serving_shadow": record["serving_shadow"],
+                                                "time": time.time(), "base_version": base_version})
+            return f"candidate version {v}"
+        if cand["tau"] < serve["tau"] or cand["match"] < serve["match"] * (1 - self.cc.margin):
+            self.model.load_trained(serving_state)
+            return "rejected: worse than the serving version; back to its weights"
+        return "not yet better by the margin; training goes on"
 
     def updates_log(self) -> list[dict]:
         """Every update's record (the latest 500)."""
@@ -260,7 +325,8 @@ class Calibrator:
             return {"buffer": self.buffer.state(), "inbox_dropped_sequences": self.inbox_dropped, "updates": self.updates, "optimizer_steps": self.steps,
                     "serving": self.serving, "versions_kept": sorted(self.versions),
                     "pending_candidate": None if self.pending is None else self.pending.version,
-                    "last_updates": self.history[-5:], "last_error": self.last_error}
+                    "last_updates": self.history[-5:], "last_error": self.last_error,
+                    "switch_after_update": self._switch, "heartbeat": self.heartbeat.snapshot()}
 
 
 def _cpu_state(model) -> dict:
@@ -302,11 +368,16 @@ class CalibrationLoop:
             self._wake.clear()
             if self._stop.is_set():
                 continue
+            cal = self.calibrator
             try:
-                self.calibrator.take_inbox()  # filtering and storing at this thread's low priority
-                if time.monotonic() - last < self.interval_s or not self.calibrator.ready():
+                cal.take_inbox()  # filtering and storing at this thread's low priority
+                if time.monotonic() - last < self.interval_s:
+                    cal.waiting("waiting for the next interval (calibration.interval_s)")
                     continue
-                self.calibrator.update()
+                if not cal.ready():
+                    cal.waiting("waiting for new rounds (calibration.min_rounds) or for the engine to take a candidate")
+                    continue
+                cal.update()
             except Exception as e:  # noqa: BLE001 -- a calibration failure leaves the serving drafter as it is
                 self.calibrator.last_error = f"{type(e).__name__}: {e}"
                 log.warning("drafter calibration update failed (%s); the serving drafter is unchanged", e, exc_info=e)

@@ -18,6 +18,7 @@ The drafter runs in a drafter group chosen by name like the executor: `local`, i
     drop_candidate(retry_after_s)   forget a candidate that failed to stage
     set_serving(version, available) tell the calibrator which version serves and which are held
     calibrator_status() -> dict | None
+    calibrator_heartbeat() -> dict | None   the calibrator's heartbeat (heartbeat.py), never waiting
     device_reports(), comm_stats(), shutdown()
 
 Draft requests are incremental: `Drafter` (the engine's side) remembers how many of each sequence's
@@ -38,6 +39,7 @@ from typing import Optional
 
 from ..errors import RequestError
 from ..backends import backend
+from ..heartbeat import Heartbeat, snapshot, stalled_reasons
 from .calibrator import CalibrationLoop, Calibrator, DrafterVersions
 from .dspark_model import DSparkConfig
 from .proposers import DraftRequest, SequenceHistory, make_proposer
@@ -96,7 +98,7 @@ class LocalDrafterGroup:
         self.calibrator = self._loop = None
         cc = cfg.speculative.calibration
         if cc.enabled:
-            self.calibrator = Calibrator(cfg, target_spec, device)
+            self.calibrator = Calibrator(cfg, target_spec, device, stall_after_s=cfg.parallel.stall_after_s)
             self._loop = CalibrationLoop(self.calibrator, cc.interval_s)
 
     def propose(self, requests: list[DraftRequest], version: int = 0) -> list[Proposal]:
@@ -135,6 +137,9 @@ class LocalDrafterGroup:
     def calibrator_status(self) -> Optional[dict]:
         return None if self.calibrator is None else self.calibrator.status()
 
+    def calibrator_heartbeat(self) -> Optional[dict]:
+        return None if self.calibrator is None else self.calibrator.heartbeat.snapshot()
+
     def device_reports(self) -> list[dict]:
         """One entry with `shares_device`: the drafter's memory is on the target's device."""
         report = self.proposer.memory_report() if hasattr(self.proposer, "memory_report") else {}  # n-gram holds none
@@ -152,12 +157,13 @@ class LocalDrafterGroup:
         self.proposer = None
 
 
-def make_drafter_group(cfg, target_spec, device="cpu", first_version: int = 1):
+def make_drafter_group(cfg, target_spec, device="cpu", first_version: int = 1, progress=None):
     """The drafter group `parallel.executor` names (a restarted Ray group numbers its calibrated
-    versions on from `first_version`)."""
+    versions on from `first_version`; `progress(activity)` follows its start-up)."""
     if cfg.parallel.executor == "local":
         return LocalDrafterGroup(cfg, target_spec, device)
-    return backend(cfg.parallel.executor).DrafterGroup(cfg, target_spec, first_version=first_version)
+    return backend(cfg.parallel.executor).DrafterGroup(cfg, target_spec, first_version=first_version,
+                                                       progress=progress)
 
 
 class Drafter:
@@ -169,6 +175,7 @@ class Drafter:
         self.num_restarts = 0
         self._restarted = None  # a drafter group started in the background, not yet serving
         self._restarting: Optional[threading.Thread] = None
+        self.restart_beat = Heartbeat("drafter_restart", cfg.parallel.stall_after_s)
         self._closed = False
         self._export_layers = None
         if cfg.speculative.method == "dspark":
@@ -220,6 +227,7 @@ class Drafter:
         if self._restarted is not None:
             self.backend, self._restarted = self._restarted, None
             self.sent = {}  # the new group holds no sequence
+            self.restart_beat.rest("idle")
             log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
             restarted = True
             if self.versions is not None:  # the new group holds the original weights only
@@ -314,12 +322,27 @@ class Drafter:
             log.warning("the drafter's memory could not be read for the cost ledger (%s: %s)", type(e).__name__, e)
             return []
 
+    def heartbeats(self) -> list[dict]:
+        """The background parts' heartbeats (heartbeat.py): the restart's, the calibrator's. Constant
+        time: the engine's stats() (every /health probe) reads them."""
+        beats, group = [self.restart_beat.snapshot()], self.backend  # (the step thread may swap the group)
+        try:
+            beat = group.calibrator_heartbeat() if group is not None else None
+        except Exception as e:  # noqa: BLE001 -- a calibrator that cannot be asked is reported, never raised
+            beat = snapshot("calibrator", "unknown", True, 0.0, True, self.cfg.parallel.stall_after_s,
+                            f"calibrator: its heartbeat could not be read ({type(e).__name__}: {e})")
+        return beats + ([beat] if beat is not None else [])
+
     def status(self) -> dict:
         """The serving version, the history (version, time, rounds trained on, shadow score, live
-        tau), the versions held, and the calibrator's buffer and updates."""
+        tau), the versions held, the calibrator's buffer and updates, and the background parts'
+        heartbeats (`background`; `stalled`: the reasons of those that stopped progressing)."""
+        beats = self.heartbeats()
+        background = {"background": beats, "stalled": stalled_reasons(beats)}
         if self.versions is None:
-            return {"calibration": False, "serving_version": 0}
-        out = {"calibration": True, **self.versions.status(), "available_versions": sorted(self.available)}
+            return {"calibration": False, "serving_version": 0, **background}
+        out = {"calibration": True, **self.versions.status(), "available_versions": sorted(self.available),
+               **background}
         try:
             status = self.backend.calibrator_status() if self.backend is not None else None
             if status is not None:
@@ -335,11 +358,15 @@ class Drafter:
                 self._restarting is not None and self._restarting.is_alive()):
             return
         self.num_restarts += 1
+        beat, attempt = self.restart_beat, f"restart {self.num_restarts} of {self.cfg.parallel.max_restarts}"
+        beat.beat(f"drafter group {attempt}: starting")
 
         def start():
             try:
-                group = make_drafter_group(self.cfg, self.target_spec, self.device, self._next_version())
+                group = make_drafter_group(self.cfg, self.target_spec, self.device, self._next_version(),
+                                           progress=lambda activity: beat.beat(f"drafter group {attempt}: {activity}"))
             except Exception as e:  # noqa: BLE001 -- stays on plain decoding
+                beat.rest(f"drafter group {attempt} failed ({type(e).__name__}); decoding without speculation")
                 log.warning("drafter group restart failed (%s: %s); continuing without speculation",
                             type(e).__name__, e)
                 return
@@ -347,6 +374,7 @@ class Drafter:
                 group.shutdown()
             else:
                 self._restarted = group
+            beat.rest(f"drafter group {attempt}: ready, takes over at the next step")
 
         self._restarting = threading.Thread(target=start, name="dspark-drafter-restart", daemon=True)
         self._restarting.start()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import ACCEPT, RESIDUAL, filter_logits, race_sample, seeded_generator
+from ..sampling import ACCEPT, RESIDUAL, filter_logits, greedy_rows, race_sample, seeded_generator
 
 
 def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p, seeds, positions,
@@ -39,7 +39,7 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     pos_idx = torch.arange(K, device=device)
     valid = pos_idx[None, :] < num_draft[:, None]  # [S, K]
     drafts = draft_tokens.clamp(min=0)
-    greedy = temperature == 0
+    greedy = greedy_rows(temperature)  # the rule `sample` uses: a temperature below GREEDY_TEMPERATURE is greedy
     if draft_probs is not None:
         draft_probs = _full_precision(draft_probs)
         if law_rows is None:

@@ -112,13 +112,20 @@ def draft_forwards(method: str, k: int) -> int:
 class DraftCost:
     """Seconds per drafter forward against the number of rows drafted: the median of the latest
     `window` calls per power of 2 of rows (a slow call, e.g. a DSpark drafter computing a backlog of
-    context rows after a pause, does not move it); outside the counts measured, proportional to the
-    rows."""
+    context rows after a pause, does not move it). Below the counts measured, proportional to the
+    rows (optimistic: drafting is tried there, then measured). Above them, with `shape` (the
+    target's step cost T(tokens)), as the target's step grows from the tokens measured to the tokens
+    asked (a forward's cost grows with its tokens the same way whatever the model's size on one
+    device: flat while the weights' reads bind, linear once the FLOPs do), `tokens_per_row` tokens a
+    row; without it, proportional to the rows. (In proportion alone, a GPU drafter measured on the
+    exploration's 4 rows at ~1 ms looked like ~40 ms at 128 rows, and drafting stopped where it paid:
+    BENCHMARKS.md "Topology simulator".)"""
 
-    def __init__(self, window: int = 9):
+    def __init__(self, window: int = 9, shape=None, tokens_per_row: int = 1):
         self.samples: dict[int, deque] = {}
         self.per_forward: dict[int, float] = {}
         self.window = window
+        self.shape, self.tokens_per_row = shape, tokens_per_row
 
     def observe(self, num_rows: int, forwards: int, seconds: float) -> None:
         if num_rows <= 0 or forwards <= 0:
@@ -134,10 +141,15 @@ class DraftCost:
         xs = sorted(self.per_forward)
         x = math.log2(num_rows)
         per = float(np.interp(x, xs, [self.per_forward[b] for b in xs]))
-        if x > xs[-1] or x < xs[0]:
-            # outside what was measured: in proportion to the rows (optimistic below: drafting is tried there,
-            # then measured)
-            per *= num_rows / 2 ** (xs[-1] if x > xs[-1] else xs[0])
+        if x < xs[0]:
+            per *= num_rows / 2 ** xs[0]
+        elif x > xs[-1]:
+            measured = 2 ** xs[-1]
+            if self.shape is None:
+                per *= num_rows / measured
+            else:
+                t = self.tokens_per_row
+                per *= float(self.shape(num_rows * t)) / max(float(self.shape(measured * t)), 1e-12)
         return forwards * per
 
 
@@ -149,7 +161,8 @@ class VerifyPlanner:
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 500,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4):
         self.k, self.step_cost, self.method = k, step_cost, method
-        self.draft_cost = DraftCost()
+        # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
+        self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
         self.window = deque(maxlen=window)  # (raw confidences [K] NaN-padded, verified, accepted)
         self.live = deque(maxlen=20 * window)  # (raw a [K], calibrated a [K] as predicted then, verified, accepted)
         self.temps = np.ones(k)

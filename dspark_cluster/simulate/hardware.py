@@ -1,0 +1,77 @@
+"""The hardware catalog: one validated entry per device kind (`assets/hardware.yaml`, or a file of
+the user's), each figure with its source. Units: FLOP/s, bytes/s, seconds, bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import ASSETS_DIR
+from ..errors import ConfigError
+
+CATALOG_PATH = ASSETS_DIR / "hardware.yaml"
+
+
+class Device(BaseModel):
+    """One device kind. Achievable = peak x efficiency (what a good kernel reaches)."""
+
+    model_config = ConfigDict(extra="allow")  # source_* strings ride along
+
+    name: str = ""
+    memory_bytes: float = Field(gt=0)
+    flops: dict[str, float]  # dtype -> peak dense FLOP/s
+    flops_efficiency: dict[str, float] = Field(default_factory=dict)
+    hbm_bandwidth: float = Field(gt=0)  # bytes/s
+    hbm_efficiency: float = Field(1.0, gt=0, le=1)
+    gpus_per_node: int = Field(8, ge=1)
+    nvlink_bandwidth: float = Field(gt=0)  # bytes/s per GPU per direction, within a node
+    network_bandwidth: float = Field(gt=0)  # bytes/s per GPU per direction, between nodes
+    collective_latency_s: float = Field(0.0, ge=0)  # one collective within a node
+    network_latency_s: float = Field(0.0, ge=0)  # one collective that crosses nodes
+    # per layer per step on the device: the framework's dispatch and kernel launches of one layer's ops,
+    # what no roofline sees (CUDA graphs make it small on GPUs; eager PyTorch on a CPU pays it)
+    layer_overhead_s: float = Field(0.0, ge=0)
+    host_overhead_s: float = Field(0.0, ge=0)  # per step: scheduling, building the step, launching it
+    per_seq_overhead_s: float = Field(0.0, ge=0)  # per scheduled sequence (the scheduler's Python per row)
+    per_token_overhead_s: float = Field(0.0, ge=0)  # per token of the step (building its tensors)
+    # device <-> host or the drafter's device (the hidden-state export): PCIe 5 x16 ~50 GB/s a direction
+    host_link_bandwidth: float = Field(50e9, gt=0)
+
+    def achievable_flops(self, dtype: str) -> float:
+        """FLOP/s a GEMM in `dtype` reaches (falls back to bf16's figure for a dtype not listed)."""
+        key = dtype if dtype in self.flops else "bf16"
+        return self.flops[key] * self.flops_efficiency.get(key, 1.0)
+
+    @property
+    def achievable_hbm(self) -> float:
+        return self.hbm_bandwidth * self.hbm_efficiency
+
+    @property
+    def has_fp8(self) -> bool:
+        return "fp8" in self.flops and self.flops["fp8"] > self.flops.get("bf16", 0)
+
+
+def load_catalog(path: Optional[Path] = None) -> dict[str, Device]:
+    """name -> Device from the catalog YAML (default: the bundled one)."""
+    path = Path(path or CATALOG_PATH)
+    if not path.is_file():
+        raise ConfigError(f"hardware catalog {str(path)!r}: no such file")
+    raw = yaml.safe_load(path.read_text()) or {}
+    out = {}
+    for name, entry in (raw.get("devices") or {}).items():
+        try:
+            out[name] = Device.model_validate({**entry, "name": name})
+        except ValidationError as e:
+            raise ConfigError([f"{path}: devices.{name}.{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                               for x in e.errors()]) from None
+    return out
+
+
+def get_device(name: str, path: Optional[Path] = None) -> Device:
+    catalog = load_catalog(path)
+    if name not in catalog:
+        raise ConfigError(f"--hardware: got {name!r}; the catalog has {', '.join(catalog)}")
+    return catalog[name]

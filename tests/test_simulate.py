@@ -1,0 +1,247 @@
+"""The topology simulator: the simulated engine decides as the real one on the same trace, the cost
+model's terms add up on a hand-computed step, and `dspark simulate` / `dspark sweep --simulate`
+run on the bundled config and on a real-checkpoint topology from its config.json alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_cluster import SamplingParams, load_config
+from dspark_cluster.cli import main
+from dspark_cluster.model.spec import load_spec
+from dspark_cluster.simulate import SimOptions, get_device, load_catalog, simulate
+from dspark_cluster.simulate.cost_model import (Precision, StepShape, Topology, all_to_all_time, gemm_time,
+                                                step_time)
+from dspark_cluster.simulate.engine import SimEngine
+from dspark_cluster.simulate.hardware import Device
+from dspark_cluster.simulate.shapes import ModelShapes
+from dspark_cluster.simulate.traffic import Acceptance, SimRequest
+
+from conftest import random_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+DEEPSEEK_V3 = REPO / "tests" / "fixtures" / "hf-configs" / "deepseek-v3"
+
+
+# ---- the same decisions as the real engine ----------------------------------------------------
+def _real_schedule(cfg, prompts, params):
+    """Each step's (request, tokens) scheduled and the requests preempted, from a real in-process
+    LLMEngine (the local executor: synchronous steps)."""
+    from dspark_cluster.engine import LLMEngine
+
+    engine = LLMEngine(cfg)
+    record = []
+    sched = engine.schedulers[0]
+    schedule = sched.schedule
+
+    def recording():
+        out = schedule()
+        if out.scheduled:
+            record.append(([(s.seq.request_id, s.num_new_tokens) for s in out.scheduled],
+                           [q.request_id for q in out.preempted]))
+        return out
+
+    sched.schedule = recording
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+        return record, engine.num_steps, engine.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def _sim_schedule(cfg, prompts, params):
+    from dspark_cluster.sequence import Sequence
+
+    spec = load_spec(cfg.model.path, cfg.model.dtype)
+    engine = SimEngine(cfg, spec, SimOptions(hardware="cpu", record_schedule=True), get_device("cpu"))
+    reqs = [SimRequest(0.0, p, sp) for p, sp in zip(prompts, params)]
+    names = iter(range(len(reqs)))
+    engine.run(reqs, lambda r: Sequence(f"r{next(names)}", list(r.prompt_ids), len(r.prompt_ids), r.params,
+                                        spec.eos_token_ids))
+    return [(rows, pre) for _, rows, pre in engine.schedule_record], engine.num_steps, engine.num_blocks
+
+
+@pytest.mark.parametrize("case", ["roomy", "tight_kv_preempts", "shared_prefixes"])
+def test_simulated_scheduler_makes_the_real_engines_decisions(checkpoint, case):
+    path = checkpoint("deepseek_v3")
+    sched = {"block_size": 4, "max_num_seqs": 6, "max_num_batched_tokens": 40}
+    lengths = [9, 14, 5, 11, 8, 13, 6, 10, 17, 3, 12, 7]
+    prompts = random_prompts(lengths, seed=41)
+    if case == "tight_kv_preempts":
+        sched["num_kv_blocks"] = 22
+    else:
+        sched["num_kv_blocks"] = 200
+    if case == "shared_prefixes":  # half the prompts begin with one 12-token system prompt: the cache reuses it
+        head = random_prompts([12], seed=5)[0]
+        prompts = [head + p if i % 2 else p for i, p in enumerate(prompts)]
+    params = [SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    cfg = load_config({"model": {"path": str(path)}, "scheduler": sched})
+    real, real_steps, real_blocks = _real_schedule(cfg, prompts, params)
+    sim, sim_steps, sim_blocks = _sim_schedule(cfg, prompts, params)
+    assert sim_blocks == real_blocks
+    assert sim_steps == real_steps
+    assert sim == real  # the same rows, chunks, order and preemptions, step by step
+    preempted = sum(len(p) for _, p in real)
+    assert (preempted > 0) == (case == "tight_kv_preempts")
+
+
+def test_simulated_kv_pool_is_the_real_engines(checkpoint):
+    """kv_cache_memory (bytes) gives the simulated CPU device the pool the real engine plans."""
+    from dspark_cluster.engine import LLMEngine
+
+    cfg = load_config({"model": {"path": str(checkpoint("qwen3_moe"))}, "scheduler": {"kv_cache_memory": "8MiB"}})
+    engine = LLMEngine(cfg)
+    try:
+        real = engine.num_blocks
+    finally:
+        engine.shutdown()
+    sim = SimEngine(cfg, load_spec(cfg.model.path, cfg.model.dtype), SimOptions(hardware="cpu"), get_device("cpu"))
+    assert sim.num_blocks == real
+
+
+# ---- the cost model, by hand ------------------------------------------------------------------
+def _toy():
+    dev = Device(name="toy", memory_bytes=1e9, flops={"bf16": 1e12}, flops_efficiency={"bf16": 0.5},
+                 hbm_bandwidth=1e9, hbm_efficiency=1.0, gpus_per_node=2, nvlink_bandwidth=1e8,
+                 network_bandwidth=1e7, collective_latency_s=1e-5, network_latency_s=1e-4, host_overhead_s=1e-3,
+                 per_seq_overhead_s=1e-4)
+    m = ModelShapes(hidden=4, vocab=10, num_layers=2, num_moe_layers=1, num_dense_layers=1, attention="gqa",
+                    num_heads=2, num_kv_heads=2, head_dim=2, kv_lora_rank=0, qk_rope_head_dim=0, attn_params=100,
+                    mlp_params=50, shared_params=20, gate_params=16, expert_params=30, num_experts=4, top_k=2,
+                    lm_head_params=40, embed_params=40)
+    topo = Topology(tensor=1, data=4, gpus_per_node=2, num_slots=4)
+    shape = StepShape(tokens=np.array([3, 1, 1, 1.0]), sample_rows=np.ones(4), num_seqs=np.ones(4),
+                      attn_pairs=np.array([6, 10, 5, 1.0]), kv_read=np.array([3, 10, 5, 1.0]),
+                      rank_tokens=np.array([[6, 3, 2, 1.0]]), rank_active=np.ones((1, 4)))
+    return dev, m, topo, shape, Precision()
+
+
+def test_cost_model_terms_add_up_on_a_hand_computed_step():
+    dev, m, topo, shape, prec = _toy()
+    t = step_time(shape, m, topo, dev, prec)
+    # 5e11 FLOP/s and 1e9 B/s achievable: every GEMM here reads its weights for a few tokens (bandwidth binds)
+    attn_proj = 100 * 2 / 1e9  # 2e-7 (flops: 2 * 3 * 100 / 5e11 = 1.2e-9)
+    attn_core = 10 * (2 * 2 * 2) * 2 / 1e9  # the group with 10 KV tokens: 8 elements x 2 bytes each = 1.6e-7
+    mlp, shared_and_gate = 50 * 2 / 1e9, (20 + 16) * 2 / 1e9
+    assert t["attention"] == pytest.approx(2 * attn_core)
+    assert t["dense_gemm"] == pytest.approx(2 * attn_proj + 1 * mlp + 1 * shared_and_gate)
+    assert t["lm_head"] == pytest.approx(40 * 2 / 1e9)
+    assert t["moe"] == pytest.approx(30 * 2 / 1e9)  # the busiest rank: 6 tokens on one expert, its weights read
+    # all-to-all: the busiest group sends 3 tokens x top-2 x 4 hidden x 2 bytes = 48 bytes each way; of 4
+    # ranks on 2 nodes half goes over the network: 24 B / 1e7 B/s + the network's latency
+    a2a = 1e-4 + 48 * 2 / 4 / 1e7
+    assert t["ep_comm"] == pytest.approx(2 * a2a)
+    assert t["tp_comm"] == 0.0 and t["overlap_saved"] == 0.0 and t["drafter"] == 0.0
+    assert t["host"] == pytest.approx(1e-3 + 4 * 1e-4)
+    hand = 2 * attn_core + 2 * attn_proj + mlp + shared_and_gate + 40 * 2 / 1e9 + 30 * 2 / 1e9 + 2 * a2a + 1.4e-3
+    assert t["total"] == pytest.approx(hand) == pytest.approx(1.605832e-3)
+    assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+
+
+def test_cost_model_rooflines_and_overlap():
+    dev, m, topo, shape, prec = _toy()
+    # many tokens: compute binds (2 * 1e6 * 100 FLOPs / 5e11)
+    assert float(gemm_time(1e6, 100, dev, prec)) == pytest.approx(4e-4)
+    assert float(gemm_time(0, 100, dev, prec)) == 0.0  # no tokens, no weights read
+    # one node: NVLink only, and the node's latency
+    assert float(all_to_all_time(80, 2, 2, dev)) == pytest.approx(1e-5 + 80 / 2 / 1e8)
+    plain = step_time(shape, m, topo, dev, prec)
+    both = step_time(shape, m, topo, dev, prec, overlap=True)
+    assert both["total"] == pytest.approx(sum(v for k, v in both.items() if k != "total"))
+    compute = sum(both[k] for k in ("attention", "dense_gemm", "lm_head", "moe"))
+    comm = both["ep_comm"] + both["tp_comm"]
+    assert both["total"] == pytest.approx(max(compute, comm) + both["host"])
+    # latency-bound (a few tokens): two micro-batches pay the all-to-all's latency twice, and lose
+    assert both["total"] > plain["total"]
+    big = StepShape(tokens=shape.tokens * 1e4, sample_rows=shape.sample_rows * 1e4, num_seqs=shape.num_seqs * 1e4,
+                    attn_pairs=shape.attn_pairs * 1e4, kv_read=shape.kv_read * 1e4,
+                    rank_tokens=shape.rank_tokens * 1e4, rank_active=shape.rank_active)
+    big_plain, big_both = step_time(big, m, topo, dev, prec), step_time(big, m, topo, dev, prec, overlap=True)
+    # bandwidth-bound: one half's compute hides under the other's transfer
+    assert big_both["total"] < big_plain["total"]
+    hidden = step_time(shape, m, topo, dev, prec, async_host=True)  # the host under the device's time
+    assert hidden["total"] == pytest.approx(max(plain["total"] - plain["host"], plain["host"]))
+
+
+def test_catalog_entries_are_sourced():
+    cat = load_catalog()
+    assert {"H800", "H100", "H200", "B200", "cpu"} <= set(cat)
+    for name, d in cat.items():
+        extra = d.model_extra or {}
+        for figure in ("memory", "flops", "hbm_bandwidth", "nvlink", "host_overhead"):
+            assert any(k.startswith(f"source_{figure}") for k in extra), (name, figure)
+
+
+def test_acceptance_draws_follow_the_survival_curve():
+    acc = Acceptance([0.8, 0.6, 0.45], spread=0.0, seed=1)
+    cond = acc.draw(200_000, 3)
+    n = acc.accepted(cond, np.full(200_000, 3))
+    survival = [(n > j).mean() for j in range(3)]
+    assert survival == pytest.approx([0.8, 0.6, 0.45], abs=0.01)
+
+
+# ---- end to end -------------------------------------------------------------------------------
+def test_dspark_simulate_on_the_bundled_config(tmp_path, capsys):
+    assert main(["simulate", "--set", f"report.out_dir={tmp_path}", "--set", "report.name=sim",
+                 "--set", "workload.num_requests=8"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED on cpu" in out and "output tokens/s" in out
+    report = json.loads((tmp_path / "sim" / "report.json").read_text())
+    assert report["simulated"] and report["summary"]["simulated"] and report["summary"]["requests"] == 8
+    assert report["summary"]["output_tokens"] == sum(r["num_output_tokens"] for r in report["requests"])
+    assert report["cost"]["cost_per_million_output_tokens"] > 0
+    assert (tmp_path / "sim" / "latency.png").is_file()
+
+
+def test_simulate_deepseek_v3_from_its_config_json(tmp_path):
+    """A shipped real-checkpoint topology, its model a config.json alone: EP 16 on 2 x 8 H200 under a
+    skewed load; EPLB rebalances and raises balancedness."""
+    cfg = load_config(REPO / "configs" / "deepseek-v3-fp8-2x8-h200.yaml",
+                      [f"model.path={DEEPSEEK_V3}", "workload.num_requests=64", "workload.output_len=[32,64]",
+                       f"report.out_dir={tmp_path}", "eplb.interval_steps=20", "eplb.window_steps=20"])
+    skewed = SimOptions(hardware="H200", expert_load={"skew": 1.0}, record_steps=True)
+    report = simulate(cfg, skewed)
+    s = report["summary"]
+    assert s["simulated"] and s["hardware"] == "H200" and s["devices"] == 16 and s["nodes"] == 2
+    assert s["rebalances"] >= 1
+    ex = report["experts"]
+    assert ex["balancedness_last_tenth"] > ex["balancedness_first_tenth"]
+    mem = report["simulation"]["memory_per_rank"]
+    assert 100 * 2**30 < mem["weight_bytes"] < 125 * 2**30  # ~112.8 GiB a rank in bf16 (BENCHMARKS.md kv-plan)
+
+
+def test_sweep_simulate(tmp_path, capsys):
+    assert main(["sweep", "--simulate", "--grid", "scheduler.max_num_seqs=4,16", "--set", f"report.out_dir={tmp_path}",
+                 "--set", "workload.num_requests=8", "--name", "s"]) == 0
+    rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3
+
+
+def test_simulated_speculation_verifies_drafts_under_the_confidence_schedule(tmp_path):
+    cfg = load_config(None, [f"report.out_dir={tmp_path}", "workload.num_requests=8", "speculative.method=dspark",
+                             "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4"])
+    report = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6]}), write=False)
+    spec = report["summary"]["speculative"]
+    assert spec["num_verified"] > 0 and spec["num_accepted"] > 0
+    assert 1.0 < spec["mean_accepted_length"] <= 5.0
+    assert report["cost"]["tokens"]["drafted"] >= spec["num_verified"]
+    assert report["simulation"]["time_by_term_s"]["drafter"] > 0
+
+
+def test_trace_with_shared_prefixes_hits_the_prefix_cache(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"arrival_s": 0.5 * i, "prompt_len": 64, "output_len": 4, "prefix_group": i % 2, "prefix_len": 48}
+             for i in range(8)]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    cfg = load_config(None, [f"report.out_dir={tmp_path}"])
+    s = simulate(cfg, SimOptions(hardware="cpu", trace=str(trace)), write=False)["summary"]
+    assert s["requests"] == 8 and s["output_tokens"] == 32
+    # the 6 later requests of the two groups find the 48-token prefix (3 blocks of 16) cached
+    assert s["prefix_cached_tokens"] == 6 * 48
