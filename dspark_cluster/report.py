@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -160,6 +161,30 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
         rows += format_ledger_rows(cost)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def add_expert_summary(summary: dict, experts: Optional[dict], world_size: int) -> None:
+    """The expert figures of a run's summary (dspark run, dspark simulate): with several ranks how
+    balanced they were and how often EPLB moved experts; on one rank (balanced by definition) how
+    uneven the experts themselves are."""
+    if not experts:
+        return
+    if world_size > 1:
+        summary["balancedness_mean"] = experts.get("balancedness_mean", 1.0)
+        summary["rebalances"] = len(experts["rebalances"])
+    else:
+        summary["expert_load_max_over_mean"] = expert_max_over_mean(experts["expert_load_total"])
+
+
+def save_report(report: dict, cfg, prefix: str) -> dict:
+    """Write `report` under report.out_dir/<report.name or prefix-time>/ with its plots; sets its out_dir."""
+    name = cfg.report.name or time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+    out_dir = Path(cfg.report.out_dir) / name
+    write_report(report, out_dir)
+    if report.get("experts"):
+        plot_expert_heatmaps(report["experts"], out_dir)
+    report["out_dir"] = str(out_dir)
+    return report
 
 
 # ---- files --------------------------------------------------------------------------------------

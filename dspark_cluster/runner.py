@@ -4,14 +4,12 @@ the workload in real time, and write the report."""
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 from .async_engine import AsyncEngine
 from .config import Config
 from .backends import backend
 from .model.spec import load_spec
-from .report import expert_max_over_mean, plot_expert_heatmaps, summarize, write_report
+from .report import add_expert_summary, save_report, summarize
 from .workload import make_workload
 
 
@@ -55,18 +53,7 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
     if raw.get("speculative"):
         summary["speculative"] = raw["speculative"]
     experts = raw.get("experts")
-    if experts:
-        if cfg.parallel.world_size > 1:
-            summary["balancedness_mean"] = experts["balancedness_mean"]
-            summary["rebalances"] = len(experts["rebalances"])
-        else:  # one rank is balanced by definition: how uneven the experts themselves are says more
-            summary["expert_load_max_over_mean"] = expert_max_over_mean(experts["expert_load_total"])
+    add_expert_summary(summary, experts, cfg.parallel.world_size)
     report = {"config": cfg.to_dict(), "summary": summary, "cost": raw["cost"], "requests": raw["requests"],
               "steps": raw["steps"], "experts": experts}
-    name = cfg.report.name or time.strftime("run-%Y%m%d-%H%M%S")
-    out_dir = Path(cfg.report.out_dir) / name
-    write_report(report, out_dir)
-    if experts:
-        plot_expert_heatmaps(experts, out_dir)
-    report["out_dir"] = str(out_dir)
-    return report
+    return save_report(report, cfg, "run")

@@ -16,7 +16,7 @@ from ..config import ASSETS_DIR, Config
 from ..cost import cost_ledger, device_kind
 from ..errors import ConfigError
 from ..model.spec import load_spec
-from ..report import expert_max_over_mean, plot_expert_heatmaps, summarize, write_report
+from ..report import add_expert_summary, save_report, summarize
 from ..sequence import Sequence
 from .engine import SimEngine
 from .hardware import get_device
@@ -132,22 +132,12 @@ def simulate(cfg: Config, opts: Optional[SimOptions] = None, write: bool = True)
     if spec_summary:
         summary["speculative"] = spec_summary
     experts = engine.expert_summary()
-    if experts:
-        if world > 1:
-            summary["balancedness_mean"] = experts.get("balancedness_mean", 1.0)
-            summary["rebalances"] = len(experts["rebalances"])
-        else:
-            summary["expert_load_max_over_mean"] = expert_max_over_mean(experts["expert_load_total"])
+    add_expert_summary(summary, experts, world)
     report = {"simulated": True, "config": cfg.to_dict(), "simulation": simulation_section(engine, opts),
               "summary": summary, "cost": ledger(engine, cfg, duration, len(rows)), "requests": rows,
               "steps": engine.step_record, "experts": experts}
     if write:
-        name = cfg.report.name or time.strftime("sim-%Y%m%d-%H%M%S")
-        out_dir = Path(cfg.report.out_dir) / name
-        write_report(report, out_dir)
-        if experts:
-            plot_expert_heatmaps(experts, out_dir)
-        report["out_dir"] = str(out_dir)
+        save_report(report, cfg, "sim")
     log.info("simulated %d requests, %d steps in %.1f s on %s", len(rows), engine.num_steps, wall, dev.name)
     return report
 

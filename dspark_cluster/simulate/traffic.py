@@ -143,7 +143,9 @@ class Acceptance:
         s = np.clip(np.asarray(survival, dtype=np.float64), 1e-4, 1 - 1e-4)
         if s.ndim != 1 or not len(s) or np.any(np.diff(s) > 1e-9):
             raise ConfigError(f"acceptance.survival: got {list(survival)}; expected a non-increasing list in (0, 1)")
-        self.cond = np.concatenate([[s[0]], s[1:] / s[:-1]])  # P(j accepted | all before it were)
+        # P(j accepted | all before it were); a flat stretch of the curve (s[j] = s[j-1]) is a certain
+        # acceptance, kept just below 1 so that its logit stays finite
+        self.cond = np.clip(np.concatenate([[s[0]], s[1:] / s[:-1]]), 1e-4, 1 - 1e-4)
         self.logit = np.log(self.cond) - np.log1p(-self.cond)
         self.spread = spread
         self.rng = np.random.default_rng(seed)
