@@ -179,8 +179,10 @@ class RouterClient(EngineClient):
         try:
             await self.router.add_requests.remote(self._stream_id, [x.prompt for x in f], [x.params for x in f],
                                                   rids, [list(x.token_ids) for x in f])
-        except RayError as e:  # the new Router refused them (or died at once): those requests end here
-            err = _unwrap_ray_error(e)
+        except RayError as e:
+            if _router_lost(e):  # the new one died at once: the pump sees its stream fail and restarts again
+                return len(rids)
+            err = _unwrap_ray_error(e)  # the new Router refused them: those requests end here
             for rid in rids:
                 self._end(rid, err if isinstance(err, EngineError) else EngineError(f"resuming failed: {err}"))
         return len(rids)
@@ -253,10 +255,10 @@ class RouterClient(EngineClient):
     async def submit_many(self, prompts, params, request_ids=None) -> list[str]:
         # named here (as the engine would name them), so that each queue exists before its pieces come
         ids = [rid or uuid.uuid4().hex for rid in (request_ids or [None] * len(prompts))]
-        for k, rid in enumerate(ids):
+        await self._wait_up()
+        for k, rid in enumerate(ids):  # (after the wait: checked and registered with no await between)
             if rid in self._queues or rid in ids[:k]:
                 raise RequestError(f"request_id: {rid!r} is already in use")
-        await self._wait_up()
         self._ensure_pump()
         for rid, p, sp in zip(ids, prompts, params):
             self._queues[rid] = asyncio.Queue()

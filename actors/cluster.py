@@ -455,7 +455,8 @@ def start_router(cfg: Config):
         ray_get(router.start.remote())
     except BaseException:
         ray.kill(router, no_restart=True)
-        remove_placement_groups_of(router._actor_id.hex())  # what it placed before it failed
+        with contextlib.suppress(Exception):  # (the start's own error is the one to raise)
+            remove_placement_groups_of(router._actor_id.hex())  # what it placed before it failed
         raise
     return router
 

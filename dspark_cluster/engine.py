@@ -292,8 +292,10 @@ class LLMEngine:
         capacity = 0
         if self.spec.is_moe and self.cfg.parallel.world_size > 1:
             tokens = [sum(s.num_new_tokens + s.num_draft for s in sc.scheduled) for sc in scheds]
-            if self.decode_buckets and all(s.num_new_tokens == 1 and not s.num_draft for sc in scheds for s in sc.scheduled):
-                tokens = [bucket_of(t, self.decode_buckets) for t in tokens]  # the compiled step pads to its bucket
+            if self.decode_buckets:  # a group's decode-only step runs compiled, padded to its bucket
+                tokens = [bucket_of(t, self.decode_buckets)
+                          if all(s.num_new_tokens == 1 and not s.num_draft for s in sc.scheduled) else t
+                          for t, sc in zip(tokens, scheds)]
             capacity = expert_capacity(tokens, self.cfg.parallel.tensor, self.spec.top_k, self.cfg.parallel.world_size,
                                        self.spec.hidden_size * self.spec.dtype.itemsize)
         for g, sc in enumerate(scheds):

@@ -232,8 +232,7 @@ def check_json(data: Any, max_items: int, max_depth: int = MAX_JSON_DEPTH) -> No
         if depth > max_depth:
             raise APIError(400, f"the request body nests deeper than {max_depth} levels (at {_path(where)})",
                            code="invalid_json", param=_path(where))
-        limit = _max_items(where, max_items) if where else max_items
-        if isinstance(node, list) and len(node) > limit:
+        if isinstance(node, list) and len(node) > (limit := _max_items(where, max_items)):
             raise APIError(400, f"{_path(where) or 'body'}: {len(node)} items; at most {limit}",
                            code="invalid_value", param=_path(where))
         items = node.items() if isinstance(node, dict) else enumerate(node)

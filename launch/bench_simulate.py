@@ -263,52 +263,41 @@ def cmd_study_spec(args) -> None:
               f"{1e3 * row['confidence']['tpot_p50_s']:.2f} | {100 * ver:.0f}% |", flush=True)
 
 
+def _command(sub, name: str, func, **defaults):
+    """A subcommand running func(args), with a --flag per default (a list default: nargs="+")."""
+    p = sub.add_parser(name)
+    p.set_defaults(func=func)
+    for key, d in defaults.items():
+        kind = {"nargs": "+", "type": type(d[0])} if isinstance(d, list) else {"type": type(d)}
+        p.add_argument("--" + key.replace("_", "-"), default=d, **kind)
+    return p
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("speed")
-    sp.add_argument("--requests", type=int, default=10_000)
-    sp.add_argument("--prompt-min", type=int, default=1000)
-    sp.add_argument("--prompt-max", type=int, default=4000)
-    sp.add_argument("--output-min", type=int, default=100)
-    sp.add_argument("--output-max", type=int, default=400)
-    dp = sub.add_parser("deepseek")
-    dp.add_argument("--seqs", type=int, nargs="+", default=[64, 88, 128])
-    dp.add_argument("--skew", type=float, default=0.5)
-    dp.add_argument("--out-min", type=int, default=60)
-    dp.add_argument("--out-max", type=int, default=70)
+    _command(sub, "speed", cmd_speed, requests=10_000, prompt_min=1000, prompt_max=4000, output_min=100,
+             output_max=400)
+    dp = _command(sub, "deepseek", cmd_deepseek, seqs=[64, 88, 128], skew=0.5, out_min=60, out_max=70)
     dp.add_argument("--no-overlap", action="store_true", help="also the rows without the dual micro-batch")
     dp.add_argument("--host", choices=["per_group", "router"], default="per_group",
                     help="router: this engine's one Router process schedules all 144 groups")
-    ep = sub.add_parser("study-eplb")
-    ep.add_argument("--seqs", type=int, default=32)
+    ep = _command(sub, "study-eplb", cmd_study_eplb, seqs=32, skews=[0.5, 1.0])
     ep.add_argument("--ep", type=int, default=144, choices=[32, 144])
-    ep.add_argument("--skews", type=float, nargs="+", default=[0.5, 1.0])
-    pp = sub.add_parser("deepseek-prefill")
-    pp.add_argument("--requests", type=int, default=4096)
-    pp.add_argument("--prompt-min", type=int, default=1000)
-    pp.add_argument("--prompt-max", type=int, default=7000)
-    pp.add_argument("--chunk", type=int, default=16384)
-    pp.add_argument("--skew", type=float, default=0.5)
-    pp.add_argument("--turn-gap", type=float, default=30.0)
-    ap = sub.add_parser("aic")
-    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
-    cp = sub.add_parser("study-spec")
-    cp.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    cp.add_argument("--survival", type=float, nargs="+", default=[0.85, 0.72, 0.61, 0.52, 0.44, 0.37])
-    fp = sub.add_parser("fit-cpu")
+    _command(sub, "deepseek-prefill", cmd_deepseek_prefill, requests=4096, prompt_min=1000, prompt_max=7000,
+             chunk=16384, skew=0.5, turn_gap=30.0)
+    _command(sub, "aic", cmd_aic, batch=[16, 64])
+    _command(sub, "study-spec", cmd_study_spec, concurrency=[1, 8, 32, 128, 256],
+             survival=[0.85, 0.72, 0.61, 0.52, 0.44, 0.37])
+    fp = _command(sub, "fit-cpu", cmd_fit_cpu)
     fp.add_argument("--write", action="store_true", help="write the fitted figures into assets/hardware.yaml")
     fp.add_argument("--report", default=None, help="a real run's report.json to fit to (default: run one)")
     fp.add_argument("--source", choices=["run", "profile"], default="run",
                     help="run: each step of a real run (shapes replayed); profile: the engine's start-up "
                          "StepCost profile")
-    vp = sub.add_parser("validate-cpu")
-    vp.add_argument("--points", default="all")
+    _command(sub, "validate-cpu", cmd_validate_cpu, points="all")
     args = p.parse_args(argv)
-    commands = {"speed": cmd_speed, "deepseek": cmd_deepseek, "deepseek-prefill": cmd_deepseek_prefill,
-                "study-eplb": cmd_study_eplb, "study-spec": cmd_study_spec, "aic": cmd_aic, "fit-cpu": cmd_fit_cpu,
-                "validate-cpu": cmd_validate_cpu}
-    commands[args.cmd](args)
+    args.func(args)
 
 
 def cmd_fit_cpu(args) -> None:

@@ -140,13 +140,6 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
     )
 
 
-def init_world_of_one(device: torch.device) -> None:
-    """A default process group of one rank, through an in-memory store (no port to race for), for
-    libraries that want one (DeepSpeed in the drafter calibrator); nothing when one exists."""
-    if not dist.is_initialized():
-        dist.init_process_group(resolve_backend("auto", device), store=dist.HashStore(), rank=0, world_size=1)
-
-
 def shutdown_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

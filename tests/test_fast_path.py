@@ -185,13 +185,15 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
 
 def test_compiled_decode_with_expert_parallelism_is_token_identical(ray_cluster):
     """Data 2 (experts split over two ranks, the padded all-to-all), model.compile on: a decode
-    step padded to its bucket fits the all-to-all's capacity (the engine sizes it from the bucket),
-    and greedy tokens equal eager's in process."""
+    step padded to its bucket fits the all-to-all's capacity (the engine sizes it from each group's
+    bucket), and greedy tokens equal eager's in process."""
     from dspark_cluster import LLM, SamplingParams
 
-    prompts = [[5, 9, 2, 7, 1], [11, 3, 8], [8, 1, 4, 4, 4, 2, 9]]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 14)]
-    sched = {"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 2}
+    # max_num_seqs 4 (buckets 1, 2, 4): a group decoding 3 rows runs padded to 4, past an all-to-all
+    # sized from 3 rows; lengths differ so that groups decode, finish and prefill at different steps
+    prompts = [[5, 9, 2, 7, 1], [11, 3, 8], [8, 1, 4, 4, 4, 2, 9], [2, 6], [7, 7, 3, 1], [9, 4, 4, 2, 2, 8, 1, 3]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 14, 17, 6, 11)]
+    sched = {"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4}
     base = [o.token_ids for o in LLM(str(TINY_MOE), config={"model": {"dtype": "float32"}, "scheduler": sched})
             .generate(prompts, params)]
     llm = LLM(str(TINY_MOE), config={"model": {"dtype": "float32", "compile": "on"}, "scheduler": sched,
@@ -203,7 +205,7 @@ def test_compiled_decode_with_expert_parallelism_is_token_identical(ray_cluster)
         reports = ray.get(llm.router.__ray_call__.remote(  # each worker's report, read now (after the steps)
             lambda router: ray.get([w.memory_report.remote() for w in router.core.engine.executor.workers])))
         compiled = [r["compile"] for r in reports]
-        assert len(compiled) == 2 and all(c["compile_buckets"] == [1, 2] for c in compiled)
+        assert len(compiled) == 2 and all(c["compile_buckets"] == [1, 2, 4] for c in compiled)
         assert all(c["compile_steps"] > 5 and c["compile_recompiles_after_warm_up"] == 0 for c in compiled), compiled
     finally:
         llm.shutdown()

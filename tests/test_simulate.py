@@ -4,6 +4,7 @@ run on the bundled config and on a real-checkpoint topology from its config.json
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -222,6 +223,11 @@ def test_sweep_simulate(tmp_path, capsys):
                  "--set", "workload.num_requests=8", "--name", "s"]) == 0
     rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
     assert len(rows) == 3
+
+    points = list(csv.DictReader((tmp_path / "s" / "sweep.csv").open()))
+    assert [p["status"] for p in points] == ["ok", "ok"]  # (a point that raises is written too, as failed)
+    reports = sorted((tmp_path / "s").glob("*/report.json"))
+    assert len(reports) == 2 and all(json.loads(r.read_text())["simulated"] for r in reports)  # not real runs
 
 
 def test_simulated_speculation_verifies_drafts_under_the_confidence_schedule(tmp_path):

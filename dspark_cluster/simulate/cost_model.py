@@ -14,7 +14,7 @@ is the negative term that makes them add up), which the tests check on a hand-co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -84,7 +84,6 @@ class StepShape:
     draft_tokens: int = 0
     draft_forwards: int = 0
     export_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 # ---- operations ---------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ re-stamps the times the scheduler wrote with the virtual clock.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -427,6 +426,3 @@ class SimEngine:
             out["balancedness_last_tenth"] = float(np.mean(self.balancedness[-n:]))
         return out
 
-
-def finite(x) -> bool:
-    return x is not None and not (isinstance(x, float) and math.isnan(x))

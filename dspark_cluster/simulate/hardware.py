@@ -49,10 +49,6 @@ class Device(BaseModel):
     def achievable_hbm(self) -> float:
         return self.hbm_bandwidth * self.hbm_efficiency
 
-    @property
-    def has_fp8(self) -> bool:
-        return "fp8" in self.flops and self.flops["fp8"] > self.flops.get("bf16", 0)
-
 
 def load_catalog(path: Optional[Path] = None) -> dict[str, Device]:
     """name -> Device from the catalog YAML (default: the bundled one)."""

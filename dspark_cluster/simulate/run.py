@@ -14,10 +14,12 @@ import torch
 
 from ..config import ASSETS_DIR, Config
 from ..cost import cost_ledger, device_kind
+from ..config_checks import DSPARK_MODEL_TYPE
 from ..errors import ConfigError
 from ..model.spec import load_spec
 from ..report import add_expert_summary, save_report, summarize
 from ..sequence import Sequence
+from ..speculative.dspark_model import DSparkConfig
 from .engine import SimEngine
 from .hardware import get_device
 from .options import SimOptions
@@ -48,12 +50,12 @@ def drafter_figures(cfg: Config, opts: SimOptions) -> tuple[float, int]:
     params, layers = 0.0, 0
     if sp.enabled and sp.draft_model:
         raw = json.loads((Path(sp.draft_model) / "config.json").read_text())
-        if raw.get("model_type") == "dspark_drafter":
-            h, heads = raw["hidden_size"], raw["num_heads"]
-            layers = len(raw.get("target_layer_ids") or [])
-            params = dense_params(raw["num_layers"], h, raw["intermediate_size"], heads, heads, h // heads,
-                                  raw["vocab_size"])
-            params += layers * raw.get("target_hidden_size", h) * h + 2 * raw["vocab_size"] * raw.get("markov_rank", 0)
+        if raw.get("model_type") == DSPARK_MODEL_TYPE:
+            c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
+            layers = len(c.target_layer_ids)
+            params = dense_params(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_heads,
+                                  c.head_dim, c.vocab_size)
+            params += layers * c.target_hidden_size * c.hidden_size + 2 * c.vocab_size * c.markov_rank
         else:
             d = load_spec(sp.draft_model)
             params = dense_params(d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,

@@ -136,7 +136,10 @@ class DraftCost:
         self.per_forward[b] = statistics.median(q)
 
     def __call__(self, num_rows: int, forwards: int) -> float:
-        if not self.per_forward or forwards <= 0 or num_rows <= 0:
+        return forwards * self.per_forward_s(num_rows) if forwards > 0 else 0.0
+
+    def per_forward_s(self, num_rows: int) -> float:
+        if not self.per_forward or num_rows <= 0:
             return 0.0  # not measured yet: drafting is tried, then measured
         xs = sorted(self.per_forward)
         x = math.log2(num_rows)
@@ -150,7 +153,7 @@ class DraftCost:
             else:
                 t = self.tokens_per_row
                 per *= float(self.shape(num_rows * t)) / max(float(self.shape(measured * t)), 1e-12)
-        return forwards * per
+        return per
 
 
 class VerifyPlanner:
@@ -236,8 +239,8 @@ class VerifyPlanner:
             return memo[0]
         a = np.concatenate([[0.0], np.cumsum(self.mean_survival)])  # expected accepted per row with k drafts
         ks = np.arange(self.k + 1)
-        cost = self.step_cost(num_rows * (1 + ks)) + np.array(
-            [self.draft_cost(num_rows, draft_forwards(self.method, int(k))) for k in ks])
+        forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
+        cost = self.step_cost(num_rows * (1 + ks)) + forwards * self.draft_cost.per_forward_s(num_rows)
         theta = num_rows * (1 + a) / cost
         k = int(np.argmax(theta))
         self._since_draft += k == 0
