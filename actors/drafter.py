@@ -164,7 +164,8 @@ class Drafter:
     def context_stats(self) -> dict:
         with self._lock:
             return {"ingested_rows": getattr(self.proposer, "ingested_rows", 0),
-                    "misses": getattr(self.proposer, "misses", 0)}
+                    "misses": getattr(self.proposer, "misses", 0), "resyncs": getattr(self.proposer, "resyncs", 0),
+                    "sequences": len(getattr(self.proposer, "ctx", ()))}
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot()

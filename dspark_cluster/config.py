@@ -167,6 +167,11 @@ class SpeculativeConfig(_Section):
     # the draft slots whose calibrated survival pays for their cost at the current load (num_tokens is
     # then the most drafted); static: always draft and verify num_tokens
     schedule: Literal["confidence", "static"] = "confidence"
+    # DSpark: the context rows before its anchor a block reads (the latest; positions stay absolute).
+    # While the schedule drafts nothing for a sequence, the target's workers keep its last
+    # context_window rows and send them once when drafting resumes. auto: the drafter's config.json
+    # `context_window`, else 512 (the rows online calibration trains each round on)
+    context_window: Union[Literal["auto"], int] = "auto"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
     @property
@@ -178,6 +183,8 @@ class SpeculativeConfig(_Section):
     def _check(self):
         if self.method in ("draft_model", "dspark") and not self.draft_model:
             raise ValueError(f"draft_model: method {self.method!r} needs a draft_model path")
+        if self.context_window != "auto" and self.context_window < 1:
+            raise ValueError(f"context_window: got {self.context_window}; use 'auto' or an integer >= 1")
         if self.calibration.enabled and self.method != "dspark":
             raise ValueError(f"calibration.enabled: got true with method {self.method!r}; online calibration trains "
                              "the DSpark drafter: use method dspark or set calibration.enabled false")

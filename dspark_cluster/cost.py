@@ -20,8 +20,8 @@ import time
 from typing import Optional
 
 # memory kinds a device may hold, in the order reports print them
-MEMORY_KINDS = ("weights", "kv_pool", "kv_peak_used", "expert_staging", "drafter_weights", "drafter_kv",
-                "calibrator_state")
+MEMORY_KINDS = ("weights", "kv_pool", "kv_peak_used", "expert_staging", "context_stash", "drafter_weights",
+                "drafter_kv", "calibrator_state")
 # kinds that are held (allocated); kv_peak_used is a part of kv_pool, not more of it
 HELD_KINDS = tuple(k for k in MEMORY_KINDS if k != "kv_peak_used")
 COMM_KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "hidden_state_export")

@@ -286,7 +286,7 @@ class LLMEngine:
         # the next step may take this one's tokens as inputs only if each row samples one token
         ahead_ok = self._overlap() and not any(s.proposal for sc in scheds for s in sc.scheduled)
         share_sampled = ahead_ok and self.cfg.parallel.tensor > 1
-        spec_fields = self.speculation.step_fields(scheds) if self.speculation is not None else [{}] * len(scheds)
+        spec_fields = self.speculation.step_fields(scheds, self.schedulers) if self.speculation is not None else [{}] * len(scheds)
         eplb_fields = self.balancer.step_fields() if self.balancer is not None else {}
         inputs = []  # an idle group still runs an empty step: its ranks take part in the experts' all-to-all
         capacity = 0
@@ -383,7 +383,9 @@ class LLMEngine:
     def _free_drafts(self, events: list[TokenEvent]) -> list[TokenEvent]:
         if self.speculation is not None:
             done = [ev for ev in events if ev.finished]
-            self.speculation.free([ev.seq for ev in done], {ev.seq.seq_id: ev.finish_reason for ev in done})
+            # (the drafter forgets them in batches: at its next call, or now when nothing is left to run)
+            self.speculation.free([ev.seq for ev in done], {ev.seq.seq_id: ev.finish_reason for ev in done},
+                                  flush=not self.has_unfinished())
         return events
 
     def _fail(self, seqs: list[Sequence]) -> list[str]:

@@ -97,6 +97,11 @@ class StepInput(_NumpyWire):
     # executor ray: the drafter actors (by name) that take the rows, split by seq_id % len;
     # None in process: the rows come back in StepOutput.context
     export_to: Optional[tuple] = None
+    # which rows export now ([B] bool; None: every row with an owner): the others' states are kept by the
+    # worker (speculative/context.py ContextStash, the latest context_window rows per sequence) and go
+    # out, before its own, with the next step that exports that sequence (a drafter idle meanwhile)
+    export_rows: Optional[torch.Tensor] = None
+    free_context: Optional[torch.Tensor] = None  # [F] long: sequences whose kept rows the worker drops
     # online calibration: sample rows whose verify rounds are recorded (with the target's top-k law)
     record_rounds: Optional[torch.Tensor] = None  # [S] bool (the top-k kept: a run's constant, at worker setup)
     # log-probabilities: per sample row, how many top alternatives to return with each produced token's

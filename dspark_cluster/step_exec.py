@@ -20,27 +20,34 @@ from .step import StepInput, StepOutput
 @torch.inference_mode()
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
                  prev_sampled: Optional[torch.Tensor] = None, export_layers: tuple = (),
-                 record_top_logprobs: int = 20, compiled=None) -> StepOutput:
+                 record_top_logprobs: int = 20, compiled=None, stash=None) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
     `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
     know yet (`prev_token_pos`). The run's constants, given once at worker setup: `export_layers`,
     the decoder layers a DSpark drafter reads (exported in steps that name the rows' owners,
     `step.seq_ids`), and `record_top_logprobs`, the target's top-k kept per recorded verify round.
-    `compiled`: the worker's model.compile runner (model/compiled.py), for the steps it applies to."""
+    `compiled`: the worker's model.compile runner (model/compiled.py), for the steps it applies to.
+    `stash`: the driver rank's speculative.context.ContextStash, which keeps the rows a step does not
+    export (`step.export_rows`) until one does; None: every row is exported."""
     t0 = time.perf_counter()
     if step.prev_token_pos is not None:
         if prev_sampled is None:
             raise RuntimeError("a step refers to the previous step's tokens, but this rank has none")
         step.input_ids[step.prev_token_pos] = prev_sampled[step.prev_token_row, 0]
     capture = tuple(export_layers) if step.seq_ids is not None else ()
-    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs, compiled)
+    if stash is not None:
+        if step.free_context is not None:
+            stash.free(step.free_context.tolist())
+        if not capture and step.query_lens.numel():  # no drafter takes rows (none serves now): keep none
+            stash.clear()
+    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs, compiled, stash)
     out.forward_s = time.perf_counter() - t0
     return out
 
 
 def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: tuple,
-                  record_top_logprobs: int, compiled=None) -> StepOutput:
+                  record_top_logprobs: int, compiled=None, stash=None) -> StepOutput:
     if step.query_lens.numel() == 0:
         return _idle_step(model, device)
     if compiled is not None and compiled.applies(step):
@@ -86,8 +93,10 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
     context = None
     if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
         context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
-                                 step.num_draft, num_tokens)
+                                 step.num_draft, num_tokens, to_host=stash is None)
         context.rounds = rounds
+        if stash is not None:  # the rows not exported now stay here; None when nothing goes out
+            context = stash.route(context, step.export_rows, step.seq_ids)
     model.captured = None
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),

@@ -47,19 +47,21 @@ class WorkerConfig:
     # a DSpark drafter reads, and the target's top-k log-probabilities kept per recorded verify round
     export_layers: tuple = ()
     record_top_logprobs: int = 20
+    context_window: int = 0  # DSpark: the rows per sequence kept while its drafter is idle (ContextStash)
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
         sp = cfg.speculative
-        export = ()
+        export, window = (), 0
         if sp.enabled and sp.method == "dspark":
-            from .speculative.dspark_model import DSparkConfig
+            from .speculative.dspark_model import DSparkConfig, context_window_of
 
-            export = tuple(DSparkConfig.load(Path(sp.draft_model) / "config.json").target_layer_ids)
+            c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
+            export, window = tuple(c.target_layer_ids), context_window_of(sp.context_window, c)
         return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
                    num_redundant_experts=cfg.eplb.num_redundant_experts,
                    hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,
-                   export_layers=export, record_top_logprobs=sp.calibration.top_logprobs)
+                   export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window)
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -109,6 +111,11 @@ class Worker:
         self.migration, self.migration_version = None, None
         self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
         self._prev_sampled: Optional[torch.Tensor] = None
+        self.stash = None  # DSpark: the driver rank keeps the context rows a step does not export
+        if cfg.export_layers and self.tp_rank == 0:
+            from .speculative.context import ContextStash
+
+            self.stash = ContextStash(cfg.context_window)
 
     # -- KV --------------------------------------------------------------------------------------
 
@@ -152,7 +159,8 @@ class Worker:
         try:
             out = execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
                                prev_sampled=self._prev_sampled, export_layers=self.cfg.export_layers,
-                               record_top_logprobs=self.cfg.record_top_logprobs, compiled=self.compiled)
+                               record_top_logprobs=self.cfg.record_top_logprobs, compiled=self.compiled,
+                               stash=self.stash)
         finally:
             # this step's share of the expert transfers, here between two steps on the step thread: every rank
             # runs the same steps, so all issue them at the same point among the step's collectives (also after
@@ -188,6 +196,7 @@ class Worker:
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
             "compile": self.compiled.stats() if self.compiled is not None else None,
+            **(self.stash.report() if self.stash is not None else {}),
         }
 
     def comm_stats(self) -> dict:

@@ -7,7 +7,8 @@
     python launch/bench_simulate.py study-spec                    speculation over concurrency on 2 x H200
     python launch/bench_simulate.py aic                           the point compared with AIConfigurator
     python launch/bench_simulate.py fit-cpu [--write]             the catalog's "cpu" entry, fitted here
-    python launch/bench_simulate.py validate-cpu                  simulated vs real `dspark run` here
+    python launch/bench_simulate.py validate-cpu [--fit --write]  simulated vs real `dspark run` here (fitted
+                                                                  in the same rounds with --fit)
 
 Each prints a markdown table. DeepSeek-V3 and Qwen3-30B-A3B come from tests/fixtures/hf-configs (config.json
 only); the assumptions of each study are in its docstring.
@@ -295,7 +296,9 @@ def main(argv=None) -> None:
     fp.add_argument("--source", choices=["run", "profile"], default="run",
                     help="run: each step of a real run (shapes replayed); profile: the engine's start-up "
                          "StepCost profile")
-    _command(sub, "validate-cpu", cmd_validate_cpu, points="all")
+    vp = _command(sub, "validate-cpu", cmd_validate_cpu, points="all", repeats=3)
+    vp.add_argument("--fit", action="store_true", help="fit the cpu entry first, its runs in the same rounds")
+    vp.add_argument("--write", action="store_true", help="with --fit: write the fit into assets/hardware.yaml")
     args = p.parse_args(argv)
     args.func(args)
 
@@ -313,7 +316,7 @@ def cmd_fit_cpu(args) -> None:
 def cmd_validate_cpu(args) -> None:
     from dspark_cluster.simulate.fit import validate_cpu
 
-    validate_cpu(args.points)
+    validate_cpu(args.points, args.repeats, args.fit, args.write)
 
 
 if __name__ == "__main__":

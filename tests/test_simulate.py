@@ -171,6 +171,43 @@ def test_cost_model_rooflines_and_overlap():
     assert hidden["total"] == pytest.approx(max(plain["total"] - plain["host"], plain["host"]))
 
 
+def test_cost_model_sum_roofline_and_row_overhead():
+    dev, m, topo, shape, prec = _toy()
+    cpu = dev.model_copy(update={"roofline": "sum", "row_overhead_s": 1e-6})
+    # compute and the weights' read one after the other: 4e-4 s of FLOPs + 200 B / 1e9 B/s
+    assert float(gemm_time(1e6, 100, cpu, prec)) == pytest.approx(4e-4 + 2e-7)
+    t = step_time(shape, m, topo, cpu, prec)
+    assert t["rows"] == pytest.approx(2 * 1e-6 * 1)  # 2 layers x the busiest group's one row
+    assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+    assert step_time(shape, m, topo, dev, prec)["rows"] == 0.0
+
+
+def test_cpu_fit_recovers_the_figures_that_made_the_step_times(tmp_path):
+    """fit_to_run on a 'real' run whose step times a known device made (the simulation's own
+    replay of the default config): the fitted figures are that device's."""
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.simulate.fit import FITTED, fit_to_run
+    from dspark_cluster.simulate.run import build
+
+    truth = {"flops": 4e10, "hbm_bandwidth": 6e9, "layer_overhead_s": 1.5e-3, "row_overhead_s": 2e-5}
+    cfg = load_config(None, [f"report.out_dir={tmp_path}", "workload.num_requests=16"])
+    engine, requests = build(cfg, SimOptions(hardware="cpu", record_shapes=True))
+    names = iter(range(len(requests)))
+    engine.run(requests, lambda r: Sequence(f"t{next(names)}", list(r.prompt_ids), len(r.prompt_ids), r.params,
+                                            engine.spec.eos_token_ids, arrival_time=r.arrival_s))
+    dev = engine.dev.model_copy(update={"host_overhead_s": 0.0, "per_seq_overhead_s": 0.0, "per_token_overhead_s": 0.0,
+                                        "roofline": "sum", "flops": {k: truth["flops"] for k in ("fp32", "bf16", "fp8")},
+                                        **{k: v for k, v in truth.items() if k != "flops"}})
+    steps = [{"num_seqs": int(sh.num_seqs.sum()), "num_tokens": int(sh.tokens.sum()),
+              "execute_s": step_time(sh, engine.shapes, engine.topo, dev, engine.prec)["total"]}
+             for sh in engine.shape_record]
+    noisy = [{**st, "execute_s": st["execute_s"] * 1.7} for st in steps]  # a stalled repeat: the fastest counts
+    fit = fit_to_run([(["workload.num_requests=16"], [{"steps": noisy}, {"steps": steps}])])
+    assert fit["fitted_steps"] == len(steps) and fit["rms_log_error"] < 1e-3
+    for k in FITTED:
+        assert fit[k] == pytest.approx(truth[k], rel=0.02), k
+
+
 def test_catalog_entries_are_sourced():
     cat = load_catalog()
     assert {"H800", "H100", "H200", "B200", "cpu"} <= set(cat)
@@ -235,8 +272,12 @@ def test_simulated_speculation_verifies_drafts_under_the_confidence_schedule(tmp
                              "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4"])
     report = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6]}), write=False)
     spec = report["summary"]["speculative"]
-    assert spec["num_verified"] > 0 and spec["num_accepted"] > 0
+    assert spec["num_verified"] > 0 and spec["num_accepted_tokens"] > 0
     assert 1.0 < spec["mean_accepted_length"] <= 5.0
+    # acceptance by position is what the verify rounds drew (the engine's SpecStats), not the curve given
+    assert spec["survival_given"] == pytest.approx([0.9, 0.8, 0.7, 0.6])
+    first = spec["acceptance_by_position"][0]
+    assert first != pytest.approx(0.9, abs=1e-9) and abs(first - 0.9) < 0.2
     assert report["cost"]["tokens"]["drafted"] >= spec["num_verified"]
     assert report["simulation"]["time_by_term_s"]["drafter"] > 0
 
@@ -251,3 +292,22 @@ def test_trace_with_shared_prefixes_hits_the_prefix_cache(tmp_path):
     assert s["requests"] == 8 and s["output_tokens"] == 32
     # the 6 later requests of the two groups find the 48-token prefix (3 blocks of 16) cached
     assert s["prefix_cached_tokens"] == 6 * 48
+
+
+def test_simulated_idle_drafter_exports_nothing_and_catches_up(tmp_path):
+    """As the engine with the workers' ContextStash: steps that draft nothing export no rows; a
+    static schedule (drafting every step) exports every committed row. (Also: rows the verify budget
+    cut to nothing are outcomes, as in the engine: else a drafter this poor keeps it learning.)"""
+    base = [f"report.out_dir={tmp_path}", "workload.num_requests=16", "speculative.method=dspark",
+            "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4"]
+    exported = {}
+    for schedule, survival in (("static", [0.9, 0.8, 0.7, 0.6]), ("confidence", [0.02, 0.01, 0.005, 0.001])):
+        cfg = load_config(None, [*base, f"speculative.schedule={schedule}"])
+        rep = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": survival}), write=False)
+        exported[schedule] = (rep["cost"]["comm_bytes"]["hidden_state_export"],
+                              rep["cost"]["tokens"]["prompt"] + rep["cost"]["tokens"]["output"])
+    static_bytes, static_tokens = exported["static"]
+    idle_bytes, _ = exported["confidence"]
+    assert static_bytes > 0.5 * static_tokens * 2 * 256 * 4  # ~every row: 2 layers x hidden 256 x fp32
+    # the schedule learns on 4 rows (they export), then drafts and exports nothing
+    assert idle_bytes < 0.4 * static_bytes

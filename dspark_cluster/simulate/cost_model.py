@@ -2,7 +2,7 @@
 
 Every operation is a roofline: max(FLOPs / achievable FLOP/s, bytes / achievable HBM bandwidth),
 whichever binds (a decode step's GEMMs read their weights for a few tokens: bandwidth; a prefill
-chunk's are compute). Collectives are latency + bytes / bandwidth, NVLink within a node and the
+chunk's are compute); on a device whose entry says `roofline: sum` (this CPU) their sum. Collectives are latency + bytes / bandwidth, NVLink within a node and the
 network between nodes. The layers of a step run in lockstep over the ranks (the experts'
 all-to-all is a barrier), so a MoE layer takes the slowest data-parallel group's attention, the
 dispatch, the busiest EP rank's experts and the combine: that busiest rank is where EPLB's effect
@@ -93,7 +93,7 @@ def gemm_time(tokens, params, dev: Device, prec: Precision, dtype: Optional[str]
     tokens = np.asarray(tokens, dtype=np.float64)
     flops = 2.0 * tokens * params
     bytes_ = np.where(tokens > 0, params * prec.weight_bytes, 0.0)
-    return np.maximum(flops / dev.achievable_flops(dtype or prec.gemm_dtype), bytes_ / dev.achievable_hbm)
+    return dev.op_time(flops / dev.achievable_flops(dtype or prec.gemm_dtype), bytes_ / dev.achievable_hbm)
 
 
 def expert_time(tokens, active, expert_params, dev: Device, prec: Precision):
@@ -102,7 +102,7 @@ def expert_time(tokens, active, expert_params, dev: Device, prec: Precision):
     tokens = np.asarray(tokens, dtype=np.float64)
     flops = 2.0 * tokens * expert_params
     bytes_ = np.asarray(active, dtype=np.float64) * expert_params * prec.weight_bytes
-    return np.maximum(flops / dev.achievable_flops(prec.gemm_dtype), bytes_ / dev.achievable_hbm)
+    return dev.op_time(flops / dev.achievable_flops(prec.gemm_dtype), bytes_ / dev.achievable_hbm)
 
 
 def attention_time(pairs, kv_read, m: ModelShapes, tp: int, dev: Device, prec: Precision, prefill_pairs=0.0):
@@ -115,7 +115,7 @@ def attention_time(pairs, kv_read, m: ModelShapes, tp: int, dev: Device, prec: P
     bytes_ = np.asarray(kv_read, dtype=np.float64) * m.kv_elems_per_token_layer(tp) * prec.kv_bytes
     # a device entry may give attention kernels their own rate (the cpu entry: fitted, far from its GEMMs')
     rate = dev.achievable_flops("attention" if "attention" in dev.flops else prec.attn_dtype)
-    return np.maximum(flops / rate, bytes_ / dev.achievable_hbm)
+    return dev.op_time(flops / rate, bytes_ / dev.achievable_hbm)
 
 
 def all_reduce_time(nbytes, n: int, bandwidth: float, latency: float):
@@ -198,6 +198,7 @@ def _device_terms(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, pre
         "moe": 0.0,
         "ep_comm": 0.0,
         "launch": L * dev.layer_overhead_s if float(np.max(tok)) > 0 else 0.0,
+        "rows": L * dev.row_overhead_s * float(np.max(np.asarray(s.num_seqs, dtype=np.float64) * frac)),
     }
     if Lm and s.rank_tokens is not None and topo.world > 1:
         rt = np.asarray(s.rank_tokens, dtype=np.float64) * scale
@@ -219,20 +220,31 @@ def _device_terms(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, pre
     return t
 
 
-COMPUTE_TERMS = ("attention", "dense_gemm", "lm_head", "moe", "launch")
+def drafter_time(draft_tokens: float, forwards: int, params: float, layers: int, dev: Device,
+                 prec: Precision) -> float:
+    """The drafter's proposals of one step: `forwards` forwards of draft_tokens tokens through
+    `params` parameters in `layers` layers, and the host's call (the engine waits for them)."""
+    if not (forwards and params):
+        return 0.0
+    per = float(gemm_time(draft_tokens, params, dev, prec)) + layers * dev.layer_overhead_s
+    return forwards * per + dev.host_overhead_s
+
+
+COMPUTE_TERMS = ("attention", "dense_gemm", "lm_head", "moe", "launch", "rows")
 COMM_TERMS = ("tp_comm", "ep_comm")
 
 
 def step_time(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, prec: Precision, *,
-              overlap: bool = False, drafter_params: float = 0.0, drafter_dev: Optional[Device] = None,
+              overlap: bool = False, drafter_params: float = 0.0, drafter_layers: int = 0,
+              drafter_dev: Optional[Device] = None,
               export_bytes_per_token: float = 0.0, host_seqs: Optional[float] = None,
               async_host: bool = False, dispatch: str = "per_expert") -> dict:
     """Seconds of one step, by term; the terms add up to "total".
 
     overlap: DeepSeek's dual micro-batch: the batch runs as two halves, one's communication under the
     other's compute, so the forward takes max(compute, communication) of the two halves together
-    (each half reads the weights again: that is its price). drafter_params: parameters of one
-    drafter forward over draft_tokens tokens (on drafter_dev, default the target's), run before
+    (each half reads the weights again: that is its price). drafter_params, drafter_layers: one
+    drafter forward's parameters and layers over draft_tokens tokens (on drafter_dev, default the target's), run before
     the step (the engine waits for the proposals). export_bytes_per_token: hidden-state bytes per
     committed token sent to the drafter. host_seqs: sequences the host handles per step (default
     every group's: one Router schedules them all). async_host: the host's work overlaps the
@@ -247,11 +259,8 @@ def step_time(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, prec: P
     else:
         t = _device_terms(s, m, topo, dev, prec, 1.0, dispatch)
         t["overlap_saved"] = 0.0
-    ddev = drafter_dev or dev
-    t["drafter"] = 0.0
-    if s.draft_forwards and drafter_params:
-        per = float(gemm_time(s.draft_tokens, drafter_params, ddev, prec))
-        t["drafter"] = s.draft_forwards * per + ddev.host_overhead_s
+    t["drafter"] = drafter_time(s.draft_tokens, s.draft_forwards, drafter_params, drafter_layers, drafter_dev or dev,
+                                prec)
     t["export"] = s.export_tokens * export_bytes_per_token / dev.host_link_bandwidth if s.export_tokens else 0.0
     seqs = float(np.sum(s.num_seqs)) if host_seqs is None else host_seqs
     host = dev.host_overhead_s + dev.per_seq_overhead_s * seqs + dev.per_token_overhead_s * float(np.sum(s.tokens))

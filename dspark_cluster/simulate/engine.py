@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -30,9 +30,10 @@ from ..model.spec import ModelSpec
 from ..placement import default_placement, placement_from_phy2log
 from ..scheduler import Scheduler
 from ..sequence import Sequence
+from ..speculative.drafting import SpecStats
 from ..speculative.records import Proposal
 from ..speculative.verify_budget import StepCost, VerifyPlanner, draft_forwards
-from .cost_model import Precision, StepShape, Topology, profile_grid, step_time
+from .cost_model import Precision, StepShape, Topology, drafter_time, profile_grid, step_time
 from .hardware import Device
 from .shapes import ModelShapes, model_shapes
 
@@ -84,9 +85,16 @@ def rank_memory(cfg, shapes: ModelShapes, prec: Precision, dev: Device) -> dict:
     return {"weight_bytes": int(weights), "kv_bytes_per_block": per_block, "num_blocks": int(blocks)}
 
 
+class DrafterFigures(NamedTuple):
+    params: float = 0.0  # parameters of one forward
+    export_layers: int = 0  # DSpark: the target layers whose hidden states it reads
+    context_window: int = 0  # DSpark: the committed rows a sequence keeps while its drafter is idle
+    num_layers: int = 0  # its decoder layers (each pays the device's layer_overhead_s a forward)
+
+
 class SimEngine:
     def __init__(self, cfg, spec: ModelSpec, opts, dev: Device, drafter_dev: Optional[Device] = None,
-                 drafter_params: float = 0.0, export_layers: int = 0, survival=None):
+                 drafter: DrafterFigures = DrafterFigures(), survival=None):
         self.cfg, self.spec, self.opts, self.dev = cfg, spec, opts, dev
         self.drafter_dev = drafter_dev or dev
         self.shapes = model_shapes(spec)
@@ -111,8 +119,18 @@ class SimEngine:
         self.async_host = (p.executor == "ray" if sc.async_scheduling == "auto" else bool(sc.async_scheduling)) \
             if mode == "auto" else mode == "on"
         self.async_host = self.async_host and not self.speculating  # the engine does not overlap while speculating
-        self.drafter_params, self.export_layers = drafter_params, export_layers
-        self.step_kw = dict(overlap=opts.overlap, drafter_params=drafter_params, drafter_dev=self.drafter_dev,
+        self.drafter = drafter
+        drafter_params, export_layers = drafter.params, drafter.export_layers
+        # DSpark's idle drafter: a sequence's committed rows wait on the workers (the latest
+        # context_window) until it drafts again; that proposal exports them and computes their keys and
+        # values in the drafter's forward (speculative/context.py ContextStash)
+        self.context_window = drafter.context_window
+        self.held_rows: dict[int, int] = {}  # seq_id -> rows the workers keep (its drafter is idle)
+        self.stale: set[int] = set()  # sequences whose latest rows the drafter lacks: no proposal until exported
+        self.unread_rows: dict[int, int] = {}  # seq_id -> rows exported whose keys/values the drafter computes next
+        self._export_tokens = 0
+        self.step_kw = dict(overlap=opts.overlap, drafter_params=drafter_params, drafter_layers=drafter.num_layers,
+                            drafter_dev=self.drafter_dev,
                             export_bytes_per_token=export_layers * self.shapes.hidden * self.prec.act_bytes,
                             async_host=self.async_host, dispatch=opts.dispatch)
         self.planner: Optional[VerifyPlanner] = None
@@ -165,6 +183,8 @@ class SimEngine:
         self.busy_s = 0.0  # the target's device seconds (forward), for the ledger
         self.comm_bytes = {"all_reduce": 0.0, "all_gather": 0.0, "all_to_all": 0.0, "hidden_state_export": 0.0}
         self.tokens = {"prompt": 0, "output": 0, "drafted": 0, "accepted": 0}
+        # the engine's own acceptance statistics, over the rounds the simulation verified
+        self.spec_stats = SpecStats(cfg.speculative.num_tokens)
         self.kv_peak_blocks = 0
         self.terms_total: dict = {}
         self._token = 2 if 2 not in spec.eos_token_ids else 3  # the synthetic token (never an end of sequence)
@@ -215,7 +235,11 @@ class SimEngine:
         budget. Returns the drafting's seconds and id(row) -> its conditional acceptances."""
         rows = [s for sc in scheds for s in sc.scheduled if s.num_lookahead]
         if self.planner is not None and self.planner.exploring:
-            rows = rows[: self.planner.explore_rows]
+            rows = sorted(rows, key=lambda s: s.seq.seq_id in self.stale)[: self.planner.explore_rows]
+        if self.context_window:
+            stale = set(self.stale)
+            self._export_tokens = self._export_context(scheds, {s.seq.seq_id for s in rows})
+            rows = [s for s in rows if s.seq.seq_id not in stale]  # a stale one exports now, drafts next step
         if not rows:
             return 0.0, {}
         k = max(s.num_lookahead for s in rows)
@@ -229,13 +253,10 @@ class SimEngine:
         method = self.cfg.speculative.method
         forwards = draft_forwards(method, k)
         per_forward = len(rows) * (k if method == "dspark" else 1)
-        draft_s = 0.0
-        if self.drafter_params and forwards:
-            t = step_time(StepShape(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
-                                    draft_rows=len(rows), draft_tokens=per_forward, draft_forwards=forwards),
-                          self.shapes, self.topo, self.dev, self.prec, drafter_params=self.drafter_params,
-                          drafter_dev=self.drafter_dev)
-            draft_s = t["drafter"]
+        if self.context_window:  # the drafter computes the keys and values of the rows it got since its last call
+            per_forward += sum(self.unread_rows.pop(s.seq.seq_id, 0) for s in rows)
+        draft_s = drafter_time(per_forward, forwards, self.drafter.params, self.drafter.num_layers, self.drafter_dev,
+                               self.prec)
         if self.planner is not None:
             self.planner.drafted(len(rows), k, draft_s)
             for sc in scheds:
@@ -259,6 +280,29 @@ class SimEngine:
                     s.proposal = Proposal(p.tokens[:n], None, p.confidences[:n])
         self._draft = (len(rows), per_forward, forwards)
         return draft_s, law
+
+    def _export_context(self, scheds, asked: set) -> int:
+        """As Speculation.step_fields with the workers' ContextStash: a step that drafts exports its
+        rows (each stale sequence's kept rows first), one that drafts nothing keeps them (the latest
+        context_window a sequence), exploring exports the rows asked for. Returns the rows exported."""
+        exploring = self.planner is not None and self.planner.exploring
+        exported = 0
+        for sc, g in zip(scheds, self.schedulers):
+            drafts = g.speculation_enabled and g.lookahead > 0 and not exploring
+            for q in sc.preempted:  # it recomputes its rows: the kept ones are dropped
+                self.held_rows.pop(q.seq_id, None)
+                self.stale.discard(q.seq_id)
+            for s in sc.scheduled:
+                sid = s.seq.seq_id
+                if drafts or sid in asked:
+                    n = self.held_rows.pop(sid, 0) + s.num_new_tokens
+                    self.unread_rows[sid] = self.unread_rows.get(sid, 0) + n
+                    self.stale.discard(sid)
+                    exported += n
+                else:
+                    self.held_rows[sid] = min(self.held_rows.get(sid, 0) + s.num_new_tokens, self.context_window)
+                    self.stale.add(sid)
+        return exported
 
     # ---- the step ------------------------------------------------------------------------
     def _shape(self, scheds) -> StepShape:
@@ -307,8 +351,7 @@ class SimEngine:
         _, law = self._attach(scheds) if self.speculating else (0.0, {})
         shape = self._shape(scheds)
         shape.draft_rows, shape.draft_tokens, shape.draft_forwards = self._draft
-        if self.speculating and self.cfg.speculative.method == "dspark":
-            shape.export_tokens = int(shape.tokens.sum())
+        shape.export_tokens, self._export_tokens = self._export_tokens, 0
         if self.opts.record_shapes:
             self.shape_record.append(shape)
         host_seqs = float(shape.num_seqs.max()) if self.opts.host == "per_group" else None
@@ -328,16 +371,17 @@ class SimEngine:
             if not self.speculating:  # the fast path: one token per sample row
                 sampled = {s.seq.seq_id: one for s in sc.scheduled if s.samples}
             for s in (sc.scheduled if self.speculating else ()):
+                n_acc = 0
+                if s.samples and s.proposal is not None:
+                    n_acc = int(self.acceptance.accepted(law[id(s)][None, :], np.array([len(s.proposal.tokens)]))[0])
+                    self.spec_stats.record(len(s.proposal.tokens), n_acc, s.proposal.confidences)
                 if not s.samples:
                     continue
-                n_acc = 0
                 if s.proposal is not None:
-                    n_acc = int(self.acceptance.accepted(law[id(s)][None, :], np.array([len(s.proposal.tokens)]))[0])
                     verified += len(s.proposal.tokens)
                     accepted += n_acc
-                    if s.draft_confidences is not None:
-                        rounds.append((s.draft_confidences, len(s.proposal.tokens), n_acc))
-                if s.draft_confidences is not None:
+                if s.draft_confidences is not None:  # as the engine: a row the budget cut to 0 is an outcome too
+                    rounds.append((s.draft_confidences, len(s.proposal.tokens) if s.proposal is not None else 0, n_acc))
                     drafted += int(np.sum(~np.isnan(s.draft_confidences)))
                 elif s.proposal is not None:
                     drafted += len(s.proposal.tokens)
@@ -354,6 +398,9 @@ class SimEngine:
                     seq.token_times[len(seq.token_times) - len(new):] = [t_end] * len(new)
                 if seq.finished:
                     seq.finish_time = t_end
+                    for rows in (self.held_rows, self.unread_rows):
+                        rows.pop(seq.seq_id, None)
+                    self.stale.discard(seq.seq_id)
                     self.finished.append(seq)
                 self.tokens["output"] += len(new)
             if self.planner is not None and rounds:
@@ -390,7 +437,7 @@ class SimEngine:
             w = self.topo.world
             self.comm_bytes["all_to_all"] += (m.num_moe_layers * tok * m.top_k * m.hidden
                                               * (p.dispatch_bytes + p.combine_bytes) * (w - 1) / w)
-        self.comm_bytes["hidden_state_export"] += s.export_tokens * self.export_layers * m.hidden * p.act_bytes
+        self.comm_bytes["hidden_state_export"] += s.export_tokens * self.drafter.export_layers * m.hidden * p.act_bytes
 
     def run(self, requests, make_seq) -> list[Sequence]:
         """Replay requests (sorted by arrival_s) on the virtual clock; make_seq(request) -> Sequence.

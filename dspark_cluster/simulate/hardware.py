@@ -4,8 +4,9 @@ the user's), each figure with its source. Units: FLOP/s, bytes/s, seconds, bytes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,9 +35,16 @@ class Device(BaseModel):
     # per layer per step on the device: the framework's dispatch and kernel launches of one layer's ops,
     # what no roofline sees (CUDA graphs make it small on GPUs; eager PyTorch on a CPU pays it)
     layer_overhead_s: float = Field(0.0, ge=0)
+    # per scheduled row per layer on the device: work a row costs beyond its FLOPs and bytes (eager
+    # per-row attention and sampling on a CPU; fitted there, 0 where nothing measured it)
+    row_overhead_s: float = Field(0.0, ge=0)
     host_overhead_s: float = Field(0.0, ge=0)  # per step: scheduling, building the step, launching it
     per_seq_overhead_s: float = Field(0.0, ge=0)  # per scheduled sequence (the scheduler's Python per row)
     per_token_overhead_s: float = Field(0.0, ge=0)  # per token of the step (building its tensors)
+    # how an operation's compute and memory time combine: "max" (a GPU kernel streams its operands
+    # while it computes: the roofline) or "sum" (neither hides the other: eager GEMMs on a CPU at a
+    # few rows, where the weights' read and the arithmetic follow each other; the cpu entry's fit)
+    roofline: Literal["max", "sum"] = "max"
     # device <-> host or the drafter's device (the hidden-state export): PCIe 5 x16 ~50 GB/s a direction
     host_link_bandwidth: float = Field(50e9, gt=0)
 
@@ -48,6 +56,10 @@ class Device(BaseModel):
     @property
     def achievable_hbm(self) -> float:
         return self.hbm_bandwidth * self.hbm_efficiency
+
+    def op_time(self, compute_s, memory_s):
+        """One operation's seconds from its compute time and its memory time (arrays alike)."""
+        return compute_s + memory_s if self.roofline == "sum" else np.maximum(compute_s, memory_s)
 
 
 def load_catalog(path: Optional[Path] = None) -> dict[str, Device]:

@@ -19,8 +19,8 @@ from ..errors import ConfigError
 from ..model.spec import load_spec
 from ..report import add_expert_summary, save_report, summarize
 from ..sequence import Sequence
-from ..speculative.dspark_model import DSparkConfig
-from .engine import SimEngine
+from ..speculative.dspark_model import DSparkConfig, context_window_of
+from .engine import DrafterFigures, SimEngine
 from .hardware import get_device
 from .options import SimOptions
 from .shapes import dense_params
@@ -43,28 +43,28 @@ def hardware_name(cfg: Config, opts: SimOptions) -> str:
     return "H200"
 
 
-def drafter_figures(cfg: Config, opts: SimOptions) -> tuple[float, int]:
-    """(parameters of one drafter forward, hidden-state layers a DSpark drafter takes) from its
-    config.json; the options override either."""
+def drafter_figures(cfg: Config, opts: SimOptions) -> DrafterFigures:
+    """The drafter's figures from its config.json (the options override its size and export)."""
     sp = cfg.speculative
-    params, layers = 0.0, 0
+    params, export, window, layers = 0.0, 0, 0, 0
     if sp.enabled and sp.draft_model:
         raw = json.loads((Path(sp.draft_model) / "config.json").read_text())
         if raw.get("model_type") == DSPARK_MODEL_TYPE:
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
-            layers = len(c.target_layer_ids)
+            export, window, layers = len(c.target_layer_ids), context_window_of(sp.context_window, c), c.num_layers
             params = dense_params(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_heads,
                                   c.head_dim, c.vocab_size)
-            params += layers * c.target_hidden_size * c.hidden_size + 2 * c.vocab_size * c.markov_rank
+            params += export * c.target_hidden_size * c.hidden_size + 2 * c.vocab_size * c.markov_rank
         else:
             d = load_spec(sp.draft_model)
+            layers = d.num_layers
             params = dense_params(d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
                                   d.head_dim, d.vocab_size)
     if opts.drafter_params is not None:
         params = opts.drafter_params
     if opts.export_layers is not None:
-        layers = opts.export_layers
-    return float(params), int(layers)
+        export = opts.export_layers
+    return DrafterFigures(float(params), int(export), int(window), int(layers))
 
 
 def survival_curve(cfg: Config, opts: SimOptions) -> Optional[list]:
@@ -85,8 +85,7 @@ def build(cfg: Config, opts: SimOptions):
     name = hardware_name(cfg, opts)
     dev = get_device(name, opts.hardware_file)
     ddev = get_device(opts.drafter_hardware, opts.hardware_file) if opts.drafter_hardware else dev
-    params, layers = drafter_figures(cfg, opts)
-    engine = SimEngine(cfg, spec, opts, dev, ddev, params, layers, survival_curve(cfg, opts))
+    engine = SimEngine(cfg, spec, opts, dev, ddev, drafter_figures(cfg, opts), survival_curve(cfg, opts))
     encode = None
     if opts.trace is None and cfg.workload.kind != "synthetic":
         from ..input_processor import load_tokenizer
@@ -175,24 +174,20 @@ def _mean_kv(engine: SimEngine) -> float:
 
 
 def speculative_summary(engine: SimEngine) -> Optional[dict]:
+    """The engine's speculative summary (SpecStats over the simulated verify rounds: acceptance by
+    position as drawn, not the survival curve given), plus what only the simulation knows."""
     if not engine.speculating:
         return None
     steps = engine.step_record
     verified = sum(s["num_verified"] for s in steps)
     drafted = sum(s["num_drafted"] for s in steps)
-    spec_rounds = sum(1 for s in steps if s["num_verified"])
-    acc = engine.tokens["accepted"]
-    survival = engine.acceptance.cond.cumprod().tolist()
-    out = {"mean_accepted_length": float("nan"), "acceptance_by_position": survival,
-           "draft_time_s": engine.terms_total.get("drafter", 0.0), "verify_time_s": float("nan"),
-           "schedule": engine.cfg.speculative.schedule,
-           "verified_share": verified / drafted if drafted else float("nan"),
-           "num_drafted_positions": drafted, "num_verified": verified, "num_accepted": acc,
-           "steps_verifying": spec_rounds}
-    rows_verified = sum(s["spec_tokens"] for s in steps)  # accepted + one per verify row
-    if verified:
-        verify_rows = rows_verified - acc
-        out["mean_accepted_length"] = rows_verified / verify_rows if verify_rows else float("nan")
+    out = engine.spec_stats.summary()
+    out.update({"draft_time_s": engine.terms_total.get("drafter", 0.0), "verify_time_s": float("nan"),
+                "schedule": engine.cfg.speculative.schedule,
+                "survival_given": engine.acceptance.cond.cumprod().tolist(),
+                "verified_share": verified / drafted if drafted else float("nan"),
+                "num_drafted_positions": drafted, "num_verified": verified,
+                "steps_verifying": sum(1 for s in steps if s["num_verified"])})
     if engine.planner is not None:
         out["calibration"] = {"mean_survival": None if engine.planner.mean_survival is None
                               else engine.planner.mean_survival.round(4).tolist(),

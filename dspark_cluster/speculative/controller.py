@@ -4,7 +4,8 @@ Per step (`engine.LLMEngine.step` calls these in order):
     poll()                 a restarted drafter group or a published drafter version takes over
     plan(groups)           the confidence schedule sets how many positions the next step drafts
     attach(scheds)         proposals for the rows that reserved draft slots, cut to the verify budget
-    step_fields(scheds)    DSpark: which rows export context to the drafter, which rounds are recorded
+    step_fields(scheds)    DSpark: which rows export context to the drafter (the others' rows the workers
+                           keep until drafting resumes for them), which rounds are recorded
     observe(...)           each row's verify outcome: acceptance stats, the planner's calibration
     free(events)           the drafter forgets finished sequences
 plus the admin operations (status, rollback, resume, the run-time switch) and the summary.
@@ -69,6 +70,15 @@ class Speculation:
         self.wanted = True  # the run-time switch, as last set (a drafter restart restores it)
         self.drafter_version = 0  # the drafter version the planner's window is of
         self.num_drafted = self.num_verified = 0  # draft positions proposed / verified, over the run
+        # DSpark, an idle drafter: a step that drafts nothing asks for no export; the target's workers keep
+        # those rows (speculative/context.py ContextStash) and send them with the sequence's next export.
+        # stale: sequences whose latest rows the workers hold (the drafter lacks them: no proposal for
+        # them until a step has exported them); asked: this step's rows the drafter is asked for (or
+        # catches up on); free_rows: sequences whose kept rows the workers drop, sent with the next step
+        self.stale: set[int] = set()
+        self._asked: set[int] = set()
+        self._free_rows: list[int] = []
+        self.num_catch_ups = 0  # exports of a stale sequence (each sends the rows the workers kept)
 
     # ---- before scheduling ---------------------------------------------------------------
     def poll(self, groups, num_steps: int) -> None:
@@ -108,8 +118,11 @@ class Speculation:
         drafter's prompt prefill beside the target's (not while the schedule drafts nothing: a
         proposal catches up on what it missed)."""
         rows = [s for sc in scheds for s in sc.scheduled if s.num_lookahead]
-        if self.planner is not None and self.planner.exploring:
-            rows = rows[: self.planner.explore_rows]  # drafting only to refresh the estimates
+        if self.planner is not None and self.planner.exploring:  # drafting only to refresh the estimates,
+            # on rows whose context the drafter has first (the others catch up in this step)
+            rows = sorted(rows, key=lambda s: s.seq.seq_id in self.stale)[: self.planner.explore_rows]
+        self._asked = {s.seq.seq_id for s in rows}
+        rows = [s for s in rows if s.seq.seq_id not in self.stale]  # a stale one exports, and drafts next step
         if rows:
             self._propose(rows, scheds)
             if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
@@ -159,19 +172,49 @@ class Speculation:
             s.draft_confidences = conf
             keep[id(s)] = min(keep[id(s)], n)
 
-    def step_fields(self, scheds) -> list[dict]:
+    def step_fields(self, scheds, groups=None) -> list[dict]:
         """Per group, the StepInput fields speculation sets: with DSpark, the layers the driver rank
         exports to the drafter and the sequence ids that own the rows (-1: a request that does not
-        speculate exports nothing); with online calibration, the sample rows whose rounds are recorded."""
+        speculate exports nothing), which of them export now (`export_rows`: in a step that drafts, every
+        row but, while exploring, those not asked for; in a step that drafts nothing, none: the workers
+        keep those rows) and the sequences whose kept rows go (`free_context`); with online calibration,
+        the sample rows whose rounds are recorded. groups: the schedulers (their lookahead: whether
+        this step drafts)."""
         export = self.drafter.export()
+        if export is None:  # no drafter takes rows: the workers keep none (steps without seq_ids)
+            self.stale.clear()
+            self._free_rows = []
+            return [{} for _ in scheds]
+        for sc in scheds:  # a preempted sequence recomputes its rows: the ones kept go now
+            self._free_rows += [seq.seq_id for seq in sc.preempted]
+        free, self._free_rows = self._free_rows, []
+        exploring = self.planner is not None and self.planner.exploring
         out = []
-        for sc in scheds:
-            if export is None or not sc.scheduled:
-                out.append({})
+        for gi, sc in enumerate(scheds):
+            extra = {"free_context": torch.tensor(free, dtype=torch.long)} if free else {}
+            if not sc.scheduled:
+                out.append(extra)
                 continue
+            g = groups[gi] if groups is not None else None
+            drafts = g is None or (g.speculation_enabled and g.lookahead > 0)
+            ids, rows_out = [], []
+            for s in sc.scheduled:
+                sid = s.seq.seq_id if s.seq.params.speculative else -1
+                now = sid >= 0 and (sid in self._asked or (drafts and not exploring))
+                ids.append(sid)
+                rows_out.append(now)
+                if sid < 0:
+                    continue
+                if now:
+                    if sid in self.stale:
+                        self.stale.discard(sid)
+                        self.num_catch_ups += 1
+                else:
+                    self.stale.add(sid)
             fields = {"export_to": export[1],  # the layers (export[0]) are the workers' setup
-                      "seq_ids": torch.tensor([s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled],
-                                              dtype=torch.long)}
+                      "seq_ids": torch.tensor(ids, dtype=torch.long), **extra}
+            if not all(rows_out):
+                fields["export_rows"] = torch.tensor(rows_out, dtype=torch.bool)
             if self.record_rounds:
                 fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
                                                        dtype=torch.bool)
@@ -217,10 +260,18 @@ class Speculation:
         if self.planner is not None:
             self.planner.step_cost.observe(tokens, seconds)
 
-    def free(self, seqs, reason) -> None:
-        """The drafter forgets these sequences. reason: one for all, or seq_id -> reason."""
+    def free(self, seqs, reason, flush: bool = True) -> None:
+        """The drafter forgets these sequences (in batches: at its next call, or with flush when the
+        engine has nothing left to run), and the workers the rows they kept of them. reason: one for
+        all, or seq_id -> reason."""
         reasons = reason if isinstance(reason, dict) else {s.seq_id: reason for s in seqs}
-        self.drafter.free([s.seq_id for s in seqs], reasons)
+        ids = [s.seq_id for s in seqs]
+        if self.drafter.export() is not None:
+            for sid in ids:
+                if sid in self.stale:
+                    self.stale.discard(sid)
+            self._free_rows += ids
+        self.drafter.free(ids, reasons, flush)
 
     # ---- admin ---------------------------------------------------------------------------
     def status(self) -> dict:

@@ -47,6 +47,8 @@ from .records import Proposal
 
 log = logging.getLogger(__name__)
 
+FREE_BATCH = 64  # finished sequences the drafter group is told of at once, at most, while it is not called
+
 
 class SpecStats:
     """Acceptance by position, verify rounds, accepted length, draft vs verify time."""
@@ -188,6 +190,10 @@ class Drafter:
         # seq_id -> how many of its tokens the serving group was sent: requests carry only the rest
         # (a group that takes over was sent nothing, so each sequence goes to it whole once)
         self.sent: dict[int, int] = {}
+        # finished sequences the group is told of with its next call (a step that drafts nothing makes none),
+        # or once FREE_BATCH of them wait, or when the engine has nothing left to run
+        self._to_free: list[int] = []
+        self._free_reasons: dict = {}
 
     @property
     def alive(self) -> bool:
@@ -227,6 +233,7 @@ class Drafter:
         if self._restarted is not None:
             self.backend, self._restarted = self._restarted, None
             self.sent = {}  # the new group holds no sequence
+            self._to_free, self._free_reasons = [], {}
             self.restart_beat.rest("idle")
             log.warning("drafter group restarted (%d); speculation resumes", self.num_restarts)
             restarted = True
@@ -384,6 +391,9 @@ class Drafter:
         the rows go on without drafts (the outputs do not change, only the speed)."""
         if self.backend is None or not requests:
             return [Proposal([]) for _ in requests]
+        self._flush_free()
+        if self.backend is None:
+            return [Proposal([]) for _ in requests]
         t0 = time.perf_counter()
         try:
             return self.backend.propose(self._incremental(requests),
@@ -401,18 +411,31 @@ class Drafter:
         with a drafter actor group it runs concurrently with the target's step. In process there
         is nothing to overlap with, so the prefill happens lazily at the first proposal."""
         if self.backend is not None and requests:
+            self._flush_free()
+        if self.backend is not None and requests:
             try:
                 self.backend.prefill_async(self._incremental(requests))
             except Exception:  # noqa: BLE001
                 self._drop()
 
-    def free(self, seq_ids, reasons: Optional[dict] = None) -> None:
-        """reasons: seq_id -> finish reason (online calibration keeps no rounds of failed or aborted requests)."""
+    def free(self, seq_ids, reasons: Optional[dict] = None, flush: bool = True) -> None:
+        """reasons: seq_id -> finish reason (online calibration keeps no rounds of failed or aborted requests).
+        flush=False: told to the group with its next call (or once FREE_BATCH wait), not now."""
         for sid in seq_ids:
             self.sent.pop(sid, None)
-        if self.backend is not None and seq_ids:
+        if self.backend is None:
+            return
+        self._to_free += list(seq_ids)
+        self._free_reasons.update(reasons or {})
+        if flush or len(self._to_free) >= FREE_BATCH:
+            self._flush_free()
+
+    def _flush_free(self) -> None:
+        ids, reasons = self._to_free, self._free_reasons
+        self._to_free, self._free_reasons = [], {}
+        if self.backend is not None and ids:
             try:
-                self.backend.free(seq_ids, None if self.versions is None else (reasons or {}))
+                self.backend.free(ids, None if self.versions is None else reasons)
             except Exception:  # noqa: BLE001
                 self._drop()
 
@@ -432,6 +455,7 @@ class Drafter:
 
     def _drop(self) -> None:
         self.sent = {}
+        self._to_free, self._free_reasons = [], {}
         backend, self.backend = self.backend, None
         if backend is None:
             return

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,19 +50,32 @@ class DSparkConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     target: dict = field(default_factory=dict)  # name, num_layers, fingerprints of the shared tables
+    context_window: Optional[int] = None  # context rows a block reads (None: speculative.context_window's default)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps({"model_type": "dspark_drafter", **asdict(self)}, indent=2) + "\n")
+        raw = {k: v for k, v in asdict(self).items() if not (k == "context_window" and v is None)}
+        Path(path).write_text(json.dumps({"model_type": "dspark_drafter", **raw}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> "DSparkConfig":
         raw = json.loads(Path(path).read_text())
         raw.pop("model_type", None)
         return cls(**raw)
+
+
+DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calibration trains a round on
+
+
+def context_window_of(setting, c: DSparkConfig) -> int:
+    """speculative.context_window ("auto" or rows) for this drafter: the rows before its anchor a
+    block reads."""
+    if setting != "auto" and setting is not None:
+        return int(setting)
+    return int(c.context_window or DEFAULT_CONTEXT_WINDOW)
 
 
 class DSparkLayer(nn.Module):

@@ -23,7 +23,7 @@ from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
 from .calibration import SequenceSample
 from .records import ContextRows, RoundRecords
-from .dspark_model import DSparkConfig, load_drafter, target_tables, tensor_fingerprint
+from .dspark_model import DSparkConfig, context_window_of, load_drafter, target_tables, tensor_fingerprint
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
@@ -44,6 +44,7 @@ class _Context:
     # from them) and the sequence's recorded verify rounds
     kept: list = field(default_factory=list)  # (start, rows)
     rounds: list = field(default_factory=list)  # RoundRecords
+    kept_from: int = 0  # the position of the first kept row (past a resync's gap)
 
 
 def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
@@ -66,9 +67,12 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 
 class DSparkProposer:
-    def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False):
+    def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False,
+                 context_window="auto"):
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
+        # a block reads the latest `window` context rows before its anchor (speculative.context_window)
+        self.window = context_window_of(context_window, c)
         embed, lm_head = target_tables(target_path, target_spec)
         check_against_target(c, target_spec, embed, lm_head, path)
         if num_tokens > c.block_size:
@@ -86,6 +90,7 @@ class DSparkProposer:
         self.ingested_rows = 0
         self._proposals, self.peak_context_bytes = 0, 0
         self.misses = 0  # proposals skipped because the context was not there (yet)
+        self.resyncs = 0  # runs of rows taken past a gap (the target's workers kept them while it drafted nothing)
         # online calibration: keep each sequence's rows and rounds, hand finished ones on as samples
         self.calibrate = calibrate
         self.samples: list[SequenceSample] = []
@@ -100,6 +105,10 @@ class DSparkProposer:
             if sid in self._freed:  # a finished sequence's last rows, arriving after its free()
                 continue
             st = self.ctx.setdefault(sid, _Context())
+            if start > st.length and hidden.shape[0] >= self.window:
+                # a gap, then at least a window of rows (a worker's kept rows, sent once drafting resumes):
+                # no block past them reads a row before the gap again
+                self._resync(st, start)
             if st.lost:
                 continue
             if start > st.length:
@@ -116,6 +125,16 @@ class DSparkProposer:
                 st = self.ctx.get(sid)
                 if st is not None and not st.lost:
                     st.rounds.append(r)
+
+    def _resync(self, st: _Context, start: int) -> None:
+        """Continue at `start` past missing rows: what came before is out of every later block's window
+        (keys/values of positions below `start` stay where they are, never read again)."""
+        st.raw, st.pending = [], {k: v for k, v in st.pending.items() if k > start}
+        st.kv_length = st.length = start
+        st.lost = False
+        if self.calibrate:  # calibration reads the rows from here on, and rounds anchored past them
+            st.kept, st.rounds, st.kept_from = [], [], start
+        self.resyncs += 1
 
     def _append(self, st: _Context, start: int, hidden) -> None:
         """Take rows at positions start.. (dropping anything after: a recompute rewrites history)."""
@@ -176,7 +195,7 @@ class DSparkProposer:
             if self.calibrate and st is not None and st.rounds and not st.lost:
                 rows = torch.cat([h for _, h in st.kept]) if st.kept else torch.zeros(0, 1, dtype=torch.float16)
                 self.samples.append(SequenceSample(sid, rows, RoundRecords.cat(st.rounds),
-                                                   (reasons or {}).get(sid)))
+                                                   (reasons or {}).get(sid), row_offset=st.kept_from))
             if len(self._freed_order) == self._freed_order.maxlen:
                 self._freed.discard(self._freed_order[0])
             self._freed_order.append(sid)
@@ -233,24 +252,26 @@ class DSparkProposer:
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
         lens = [len(r.token_ids) - 1 for r in requests]  # context length = the anchor's position
-        C = max(lens)
+        los = [max(0, n - self.window) for n in lens]  # the window: context rows lo .. len - 1
+        widths = [n - lo for n, lo in zip(lens, los)]
+        C = max(widths)
         x = m.block_input(torch.tensor([r.token_ids[-1] for r in requests], device=dev), S)
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         mask = None
-        if min(lens) != C:  # padded context: hide the padding
-            see = torch.arange(C, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        if min(widths) != C:  # padded context: hide the padding
+            see = torch.arange(C, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
             mask = torch.cat([see, see.new_ones(B, S)], dim=1)[:, None, :].expand(B, S, C + S)
         for li, layer in enumerate(m.layers):
             if B == 1:
                 st = self.ctx[requests[0].seq_id]
-                ck, cv = st.k[li][None, :C], st.v[li][None, :C]
+                ck, cv = st.k[li][None, los[0] : lens[0]], st.v[li][None, los[0] : lens[0]]
             else:
                 ck = x.new_zeros(B, C, self.c.num_heads, self.c.head_dim)
                 cv = torch.zeros_like(ck)
                 for b, r in enumerate(requests):
                     st = self.ctx[r.seq_id]
-                    ck[b, : lens[b]] = st.k[li][: lens[b]]
-                    cv[b, : lens[b]] = st.v[li][: lens[b]]
+                    ck[b, : widths[b]] = st.k[li][los[b] : lens[b]]
+                    cv[b, : widths[b]] = st.v[li][los[b] : lens[b]]
             x = layer(x, qpos, ck, cv, mask)
         return m.head(x)
 

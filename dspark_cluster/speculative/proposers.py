@@ -279,5 +279,5 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
                                   comm=comm)
     if sp.method == "dspark":
         return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens,
-                              calibrate=sp.calibration.enabled)
+                              calibrate=sp.calibration.enabled, context_window=sp.context_window)
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")

@@ -92,6 +92,11 @@ class ContextRows:
         rows = sum(t.numel() * t.element_size() for t in (self.seq_ids, self.starts, self.counts, self.hidden))
         return rows + (self.rounds.nbytes if self.rounds is not None else 0)
 
+    def select(self, keep: torch.Tensor) -> "ContextRows":
+        """The sequences `keep` ([B] bool) marks, their rows with them (no rounds)."""
+        rows = torch.repeat_interleave(keep, self.counts).to(self.hidden.device)
+        return ContextRows(self.seq_ids[keep], self.starts[keep], self.counts[keep], self.hidden[rows])
+
     def split(self, num_parts: int) -> list["ContextRows"]:
         """By sequence id modulo num_parts (the drafter group that owns each sequence)."""
         owner = self.seq_ids % num_parts

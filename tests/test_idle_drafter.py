@@ -1,0 +1,271 @@
+"""An idle DSpark drafter costs nothing (issue 28): a step that drafts nothing makes no drafter call
+and exports no rows (the target's driver worker keeps each sequence's latest context_window rows,
+speculative/context.py ContextStash); when drafting resumes for a sequence its kept rows go out
+once, with its first step, and it drafts from the next. Outputs never change: greedy is
+token-identical to plain decoding (in process and through Ray) and sampling keeps the target's law
+across the catch-up."""
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_cluster import LLM, SamplingParams
+from dspark_cluster.speculative.context import ContextStash
+from dspark_cluster.speculative.records import ContextRows
+from dspark_cluster.speculative.verify_budget import VerifyPlanner
+
+from conftest import build_dspark, random_prompts
+from test_speculative import small_vocab  # noqa: F401 -- fixture
+from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, law_pvalue, seeded
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+class PatternPlanner(VerifyPlanner):
+    """The confidence schedule's planner with its choice replaced: the i-th step drafts pattern[i %
+    len(pattern)] positions (0: a plain step), and every drafted position is verified."""
+
+    def __init__(self, base: VerifyPlanner, pattern):
+        self.__dict__.update(base.__dict__)
+        self.pattern, self.calls = list(pattern), 0
+
+    def draft_len(self, num_rows: int) -> int:
+        self.exploring = self._learning = False
+        k = self.pattern[self.calls % len(self.pattern)]
+        self.calls += 1
+        return k
+
+    def verify_lengths(self, raw, base_tokens, base_expected, draft_s):
+        return (~np.isnan(raw)).sum(1)
+
+
+def idle_config(draft, k=4, window=4, **parallel):
+    return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
+            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "confidence",
+                            "context_window": window}}
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return checkpoint("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory):
+    return build_dspark(target, tmp_path_factory.mktemp("dspark-idle"), layers=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([5, 17, 9, 3], seed=47)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    return [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
+
+
+def count_calls(llm) -> dict:
+    """Counts of the in-process drafter group's calls (each still runs)."""
+    group, counts = llm.engine.drafter.backend, {}
+    for name in ("propose", "ingest", "prefill_async", "free"):
+        inner = getattr(group, name)
+
+        def spy(*args, _inner=inner, _name=name):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _inner(*args)
+
+        setattr(group, name, spy)
+    return counts
+
+
+def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(target, drafter, prompts):
+    llm = LLM(target, config=idle_config(drafter))
+    eng = llm.engine
+    eng.speculation.planner = PatternPlanner(eng.planner, [0] * 8 + [4] * 4)
+    counts = count_calls(llm)
+    stash = eng.executor.worker.stash
+    for p in prompts:
+        eng.add_request(p, GREEDY)
+    idle = active = 0
+    while eng.has_unfinished():
+        before = dict(counts)
+        plan = eng.planner.pattern[eng.planner.calls % len(eng.planner.pattern)]
+        eng.step()
+        st = eng.step_stats[-1]
+        if plan == 0 and eng.has_unfinished():  # (a last step frees the finished requests' drafter state)
+            idle += 1
+            assert counts == before, (counts, before)  # no drafter call at all
+            assert st["export_bytes"] == 0 and st["num_drafted"] == 0
+            assert stash.held and stash.nbytes <= len(prompts) * 4 * stash.row_bytes  # at most a window each
+        elif plan:
+            active += 1
+    assert idle >= 8 and active >= 4
+    stats = eng.drafter.stats.summary()
+    assert stats["num_draft_tokens"] > 0  # drafting resumed after every idle stretch
+    assert eng.speculation.num_catch_ups > 0 and stash.flushes > 0 and stash.rows_flushed > 0
+    assert eng.drafter.backend.proposer.resyncs > 0  # idle stretches longer than the window: rows skipped
+    assert eng.drafter.backend.proposer.misses == 0  # a proposal never waited for rows
+
+
+def test_greedy_identical_after_long_idle_stretches_in_process(target, drafter, prompts, plain):
+    """The rows that reach the drafter are the target's states at their positions (flushes put the
+    kept rows at the right place), and outputs are plain decoding's."""
+    from conftest import hf_model
+
+    llm = LLM(target, config=idle_config(drafter, window=3))
+    llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * 10 + [3] * 3 + [0] * 2 + [4] * 2)
+    proposer = llm.engine.drafter.backend.proposer
+    seen, ingest = [], proposer.ingest
+    proposer.ingest = lambda rows: (seen.append(rows), ingest(rows))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+    assert proposer.resyncs > 0 and proposer.misses == 0
+    by_seq = {}
+    for rows in seen:
+        for sid, start, h in rows:
+            by_seq.setdefault(sid, {}).update({start + i: h[i] for i in range(h.shape[0])})
+    hf = hf_model(target)
+    for o in outs:
+        seq = o.prompt_token_ids + o.token_ids
+        with torch.no_grad():
+            hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0]
+        rows = next(r for r in by_seq.values()
+                    if max(r) < len(seq) - 1 and torch.allclose(r[min(r)], want[min(r)], atol=1e-4))
+        assert len(rows) < len(seq) - 1  # rows before a gap never went out
+        for pos, h in rows.items():
+            torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
+
+
+def test_context_stash_keeps_a_window_and_frees():
+    F = 3
+    stash = ContextStash(window=4)
+
+    def rows(sid, start, n):
+        h = torch.arange(start, start + n, dtype=torch.float32)[:, None].expand(n, F).contiguous()
+        return ContextRows(torch.tensor([sid]), torch.tensor([start]), torch.tensor([n]), h)
+
+    stash.keep(rows(1, 0, 6))  # a prompt longer than the window: its last 4 rows
+    assert stash.rows_held == 4 and stash.nbytes == 4 * F * 4
+    for pos in range(6, 20):  # decode steps: still 4 rows
+        stash.keep(rows(1, pos, 1))
+        stash.keep(rows(2, pos - 6, 1))
+    assert stash.rows_held == 4 + 4 and stash.peak_bytes == 8 * F * 4
+    out = stash.take(rows(1, 20, 1))  # drafting resumes: the kept window, then the step's own row
+    assert out.starts.tolist() == [16] and out.counts.tolist() == [5]
+    assert out.hidden[:, 0].tolist() == [16, 17, 18, 19, 20]
+    assert 1 not in stash.held and stash.rows_held == 4
+    stash.keep(rows(2, 3, 2))  # a recompute (after a preemption) rewinds: rows from 3 on are new
+    assert [(s0, h.shape[0]) for s0, h in stash.held[2].chunks] == [(3, 2)] and stash.rows_held == 2
+    stash.keep(rows(2, 5, 1))
+    out = stash.take(rows(2, 6, 1))
+    assert out.starts.tolist() == [3] and out.hidden[:, 0].tolist() == [3, 4, 5, 6] and stash.rows_held == 0
+    stash.keep(rows(2, 7, 1))
+    stash.free([2])
+    assert not stash.held and stash.rows_held == 0 and stash.nbytes == 0
+    # a sequence that never idles is never kept
+    out = stash.route(rows(3, 0, 2), torch.tensor([True]), torch.tensor([3]))
+    assert out.counts.tolist() == [2] and not stash.held
+    assert stash.route(rows(3, 2, 1), torch.tensor([False]), torch.tensor([3])) is None
+    assert stash.rows_held == 1
+
+
+def test_finished_sequences_leave_the_stash(target, drafter, prompts):
+    """Kept rows go with the sequence: the next step after it finishes (or is preempted) frees them, and
+    the cost ledger counts the stash's peak."""
+    llm = LLM(target, config=idle_config(drafter))
+    llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0])  # never drafts
+    stash = llm.engine.executor.worker.stash
+    first = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert stash.peak_bytes > 0 and stash.rows_flushed == 0
+    assert sum(o.metrics["num_draft_tokens"] for o in first) == 0
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(stash.held) <= 1  # the first batch's rows went with its sequences
+    ledger = llm.engine.cost_ledger()
+    assert ledger["memory"]["by_kind"]["context_stash"] == stash.peak_bytes
+
+
+def catch_up_law_pvalue(small_vocab, tmp_path, k: int = 2, n: int = 3000, chunk: int = 500, top_p: float = 0.8,
+                        m: int = 4, idle: int = 1) -> float:  # noqa: F811
+    """Seeded sampling where each request's drafter is idle for its first `idle` steps (its prefill: the
+    rows kept, the latest 2 of them, the window), catches up in its next step (the kept rows and the
+    step's own go out once: past a gap, a resync) and drafts k from the next: with idle 1 its tokens
+    3 .. 2 + k are drafted positions. Returns the p-value of the first m tokens' joint law against the
+    target's."""
+    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    cfg = {"scheduler": LAW_SCHED, "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k,
+                                                   "schedule": "confidence", "context_window": 2}}
+    llm = LLM(small_vocab["target"], config=cfg)
+    planner = llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * idle + [k] * 8)
+    outs = []
+    for i in range(0, n, chunk):  # one batch per call: every request is in the same phase of the pattern
+        planner.calls = 0
+        outs += llm.generate([LAW_PROMPT] * chunk, seeded(chunk, i, max_tokens=k + 2 + idle, top_p=top_p))
+    stats, proposer = llm.engine.drafter.stats, llm.engine.drafter.backend.proposer
+    assert proposer.resyncs == n and llm.engine.executor.worker.stash.flushes == n  # every request caught up once
+    assert stats.proposed[k - 1] >= n / 2  # and then verified all k drafts
+    assert 0 < stats.accepted[k - 1] and sum(stats.accepted) < sum(stats.proposed)
+    p = law_pvalue(outs, small_vocab["target"], LAW_PROMPT, top_p, m=m)
+    print(f"law p-value {p:.3g} across the catch-up (drafts by position {stats.proposed}, accepted {stats.accepted})")
+    return p
+
+
+def test_sampling_keeps_the_law_across_the_catch_up(small_vocab, tmp_path):  # noqa: F811
+    p = catch_up_law_pvalue(small_vocab, tmp_path)
+    assert p > LAW_P, p
+
+
+def test_the_catch_up_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(small_vocab, tmp_path,  # noqa: F811
+                                                                                  monkeypatch):
+    from dspark_cluster import step_exec
+    from test_speculative import first_position_law_verify
+
+    monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
+    p = catch_up_law_pvalue(small_vocab, tmp_path)
+    assert p < LAW_P, p
+
+
+def test_greedy_identical_through_ray_after_idle_stretches(target, drafter, prompts, plain, ray_cluster):
+    """executor ray, a drafter actor: speculation switched off at run time (every step drafts nothing:
+    the workers keep the rows, no actor is called) for stretches longer than the window, then on
+    again; the drafter catches up from the kept rows and outputs are plain decoding's."""
+    import threading
+    import time
+
+    import ray
+
+    llm = LLM(target, config=idle_config(drafter, window=3, executor="ray"))
+    try:
+        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+        base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts[:2], params)]
+        stop, toggles = threading.Event(), []
+
+        def toggle():  # the run-time switch, as an operator flips it (the Router applies it between steps)
+            on = True
+            while not stop.is_set():
+                time.sleep(0.25 if on else 0.6)
+                on = not on
+                ray.get(llm.router.set_speculation.remote(on))
+                toggles.append(on)
+
+        t = threading.Thread(target=toggle, daemon=True)
+        t.start()
+        try:
+            outs = llm.generate(prompts[:2], params)
+        finally:
+            stop.set()
+            t.join()
+        ray.get(llm.router.set_speculation.remote(True))
+        assert [o.token_ids for o in outs] == base and len(toggles) >= 2
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
+        print(f"drafted {[o.metrics['num_draft_tokens'] for o in outs]}, drafter context {ctx}")
+        assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+        assert sum(c["resyncs"] for c in ctx) > 0  # an idle stretch longer than the window was caught up
+        # and after more plain stretches the outputs are still the same
+        again = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in again] == plain
+    finally:
+        llm.shutdown()
