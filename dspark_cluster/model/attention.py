@@ -32,6 +32,9 @@ class AttentionBatch:
     _folded: dict = field(default_factory=dict)
 
     def to(self, device, dtype=torch.float32) -> "AttentionBatch":
+        device = torch.device(device)
+        if _on(self.attn_mask, device, dtype) and all(_on(v, device) for v in self.__dict__.values()):
+            return self  # already there (the in-process step on the CPU): no copies, no ops
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items() if k != "_folded"}
         kw["attn_mask"] = self.attn_mask.to(device=device, dtype=dtype)
         return AttentionBatch(**kw)
@@ -57,7 +60,39 @@ class AttentionMetadata:
     num_tokens: int
 
     def to(self, device, dtype=torch.float32) -> "AttentionMetadata":
-        return AttentionMetadata(self.slot_mapping.to(device), [b.to(device, dtype) for b in self.batches], self.num_tokens)
+        device = torch.device(device)
+        batches = [b.to(device, dtype) for b in self.batches]
+        if _on(self.slot_mapping, device) and all(b is a for b, a in zip(batches, self.batches)):
+            return self
+        return AttentionMetadata(self.slot_mapping.to(device), batches, self.num_tokens)
+
+
+def _on(v, device: torch.device, dtype=None) -> bool:
+    """v (a tensor, or anything else) needs no `.to(device, dtype)`: checked in Python, no dispatch."""
+    if not isinstance(v, torch.Tensor):
+        return True
+    same = v.device == device if device.index is not None or device.type == "cpu" else v.device.type == device.type
+    return same and (dtype is None or v.dtype == dtype)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy without a copy (DLPack: no aten op dispatched, nothing waits; a device
+    tensor is copied to the host first)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return np.from_dlpack(t.contiguous() if not t.is_contiguous() else t)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """numpy -> torch sharing memory. A 1-D array through the buffer protocol (`torch.frombuffer`
+    dispatches nothing; `from_numpy` dispatches `lift_fresh`); others (and empty ones) `from_numpy`."""
+    a = np.ascontiguousarray(a)
+    if a.ndim == 1 and a.size and a.dtype in _TORCH_DTYPE:
+        return torch.frombuffer(a, dtype=_TORCH_DTYPE[a.dtype])
+    return torch.from_numpy(a)
+
+
+_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
@@ -70,7 +105,7 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     Index arithmetic runs in numpy: these arrays are tiny, and a numpy op costs ~1 us against
     ~5-10 us for a torch op, which adds up over the ~30 of them per step.
     """
-    q, ctx, bt = (np.asarray(t.cpu()) for t in (query_lens, context_lens, block_tables))
+    q, ctx, bt = (_host(t) for t in (query_lens, context_lens, block_tables))
     B = q.shape[0]
     T = int(q.sum())
     seq_of_token = np.repeat(np.arange(B), q)  # [T]
@@ -83,9 +118,9 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     else:
         batches = []
         for part in (decode, ~decode):
-            rows = torch.from_numpy(np.flatnonzero(part[seq_of_token]))
+            rows = _tensor(np.flatnonzero(part[seq_of_token]))
             batches.append(_batch(rows, q[part], ctx[part], bt[part], block_size, min_blocks))
-    return torch.from_numpy(positions), AttentionMetadata(torch.from_numpy(slot_mapping), batches, T)
+    return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
 
 
 def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
@@ -109,30 +144,38 @@ def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
     return AttentionBatch(
         rows=rows,
         block_tables=torch.from_numpy(bt),
-        blocks=torch.from_numpy(bt.reshape(-1)),
-        token_to_padded=torch.from_numpy(token_to_padded),
-        padded_to_token=torch.from_numpy(padded_to_token),
-        attn_mask=torch.from_numpy(np.where(mask, np.float32(0), np.float32(-np.inf)))[:, None],
+        blocks=_tensor(bt.reshape(-1)),
+        token_to_padded=_tensor(token_to_padded),
+        padded_to_token=_tensor(padded_to_token),
+        attn_mask=torch.from_numpy(np.where(mask, np.float32(0), np.float32(-np.inf))[:, None]),
         max_q=max_q,
         num_seqs=B,
     )
 
 
-def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q [T, Hq, Dk]; k_new [T, Hkv, Dk], v_new [T, Hkv, Dv] are this step's keys/values.
-    k_cache [num_blocks, block_size, Hkv, Dk], v_cache [..., Dv] (v_cache may be None: then the
-    values are the first Dv channels of the keys, as in MLA's latent cache). Returns [T, Hq, Dv].
+def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float, flat=None):
+    """q [T, Hq, Dk]; k_new [T, Hkv, Dk], v_new [T, Hkv, Dv] are this step's keys/values (one KV
+    head: [T, Dk], [T, Dv] also do). k_cache [num_blocks, block_size, Hkv, Dk], v_cache [..., Dv]
+    (v_cache may be None: then the values are the first Dv channels of the keys, as in MLA's latent
+    cache). flat: the caches viewed per slot in k_new's / v_new's shape ([slots, *k_new.shape[1:]]),
+    made once by the caller (None: viewed here). Returns [T, Hq, Dv]. q may also come as
+    [T, Hkv, G, Dk] (SDPA's layout of a decode step, G = Hq / Hkv); then a decode-only step returns
+    [T, Hkv, G, Dv] (no reshape either way), any other [T, Hq, Dv].
     SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
     """
     if torch.compiler.is_compiling():  # a compiled decode step: one opaque op (its key length varies per step)
         b = meta.batches[0]
         return torch.ops.dspark.decode_attention(q, k_new, v_new, k_cache, v_cache, meta.slot_mapping, b.blocks,
                                                  b.attn_mask, scale)
-    Hkv, Dk, Dv = k_new.shape[1], k_new.shape[-1], v_new.shape[-1]
+    Dv = v_new.shape[-1]
+    if q.dim() == 4 and not (len(meta.batches) == 1 and meta.batches[0].max_q == 1):
+        q = q.flatten(1, 2)  # queries of several tokens: the [T, Hq, Dk] path below
+    if flat is None:
+        flat = (k_cache.view(-1, *k_new.shape[1:]), None if v_cache is None else v_cache.view(-1, *v_new.shape[1:]))
     # index_copy_ / index_select: several times faster on CPU than advanced indexing for the same rows
-    k_cache.view(-1, Hkv, Dk).index_copy_(0, meta.slot_mapping, k_new)
+    flat[0].index_copy_(0, meta.slot_mapping, k_new)
     if v_cache is not None:
-        v_cache.view(-1, Hkv, Dv).index_copy_(0, meta.slot_mapping, v_new)
+        flat[1].index_copy_(0, meta.slot_mapping, v_new)
     if len(meta.batches) == 1:
         return _attend(q, k_cache, v_cache, meta.batches[0], scale, Dv)
     out = q.new_empty(q.shape[0], q.shape[1], Dv)
@@ -147,24 +190,28 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
     The G = Hq / Hkv query heads that share a KV head are folded into the query axis, so SDPA
     runs with Hkv heads and no KV copies (its own GQA path is many times slower on CPU).
     """
-    T, Hq, Dk = q.shape
+    T, Dk = q.shape[0], q.shape[-1]
+    Hq = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
     B, max_q = b.num_seqs, b.max_q
     blocks = b.blocks
-    keys = k_cache.index_select(0, blocks).view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
+    if Hkv == 1:  # one KV head (MLA): [B, 1, S, Dk] is a view of the gathered blocks
+        keys = k_cache.index_select(0, blocks).view(B, 1, -1, Dk)
+    else:
+        keys = k_cache.index_select(0, blocks).view(B, -1, Hkv, Dk).transpose(1, 2)  # [B, Hkv, S, Dk]
     if v_cache is not None:
         values = v_cache.index_select(0, blocks).view(B, -1, Hkv, Dv).transpose(1, 2)
     else:
         values = keys  # MLA: the latent is the key's head; the extra rope channels are cut below
     if max_q == 1:  # decodes only: one query per sequence, already in sequence order
-        q_pad = q.view(B, Hkv, G, Dk)
+        q_pad = q if q.dim() == 4 else q.view(B, Hkv, G, Dk)
     else:
         q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)  # [B * max_q, Hq, Dk]
         q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
     out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
     if max_q == 1:
-        return out[..., :Dv].reshape(B, Hq, Dv)
+        return out[..., :Dv] if q.dim() == 4 else out[..., :Dv].reshape(B, Hq, Dv)
     out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
     return out.index_select(0, b.token_to_padded)
 
@@ -183,4 +230,4 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 torch.library.custom_op("dspark::decode_attention", decode_attention, mutates_args=("k_cache", "v_cache")).register_fake(
     lambda q, k_new, v_new, k_cache, v_cache, slot_mapping, blocks, attn_mask, scale:
-    q.new_empty(q.shape[0], q.shape[1], v_new.shape[-1]))
+    q.new_empty(*q.shape[:-1], v_new.shape[-1]))

@@ -66,7 +66,7 @@ def apply_rope(x, cos, sin):
     """x [..., T, H, D]; cos/sin [..., T, 1, D] from `rope_cos_sin`, rotating channel pairs
     (i, i + D/2) (rotate_half; interleaved checkpoints have their rows reordered at load, see
     `deinterleave_rows`). Computed in cos's dtype where it is wider than x's, returned in x's."""
-    out = x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    out = x * cos + x.roll(x.shape[-1] // 2, -1) * sin  # (addcmul would save an op, but rounds differently)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -124,6 +124,24 @@ class RowParallelLinear(nn.Linear):
     share = 1
 
 
+class _PagedCache:
+    """`kv_cache` as the engine sets it, plus the flat per-slot views every step writes through,
+    made once when it is set (a view per layer per step is an op each)."""
+
+    @property
+    def kv_cache(self):
+        return self.__dict__.get("_kv_cache")
+
+    @kv_cache.setter
+    def kv_cache(self, value):
+        self.__dict__["_kv_cache"] = value
+        self.__dict__["kv_flat"] = None if value is None else tuple(
+            None if c is None else self.flat_view(c) for c in value)
+
+    def flat_view(self, cache):  # [num_blocks, block_size, Hkv, D] -> [slots, Hkv, D]
+        return cache.view(-1, *cache.shape[2:])
+
+
 def _split(n, comm, what):
     if n % comm.tp_size:
         raise ValueError(f"{what}={n} is not divisible by tensor parallel size {comm.tp_size}")
@@ -146,7 +164,7 @@ class MLP(nn.Module):
         return getattr(self, self.down_name)(F.silu(gate) * up)
 
 
-class GQAAttention(nn.Module):
+class GQAAttention(_PagedCache, nn.Module):
     """Multi-head / grouped-query attention (Llama, Qwen2/3, Mixtral) over a paged KV cache."""
 
     def __init__(self, spec: ModelSpec, comm):
@@ -182,12 +200,12 @@ class GQAAttention(nn.Module):
         else:  # q and k side by side in the packed output: one rotation for both
             qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)
         q, k = qk.split([Hq, Hkv], dim=1)
-        out = paged_attention(q, k, v, self.kv_cache[0], self.kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, self.kv_cache[0], self.kv_cache[1], meta, self.scale, flat=self.kv_flat)
         out = F.linear(out.reshape(T, -1), self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
 
 
-class MLAttention(nn.Module):
+class MLAttention(_PagedCache, nn.Module):
     """DeepSeek multi-head latent attention. The cache holds the compressed latent and the shared
     rope key per token ([kv_lora_rank + rope_dim]); the up-projection kv_b_proj is absorbed into
     the query and the output, so attention runs as one-head MQA over the latent. The projections
@@ -225,32 +243,42 @@ class MLAttention(nn.Module):
     def cache_shape(self, num_blocks, block_size):
         return [(num_blocks, block_size, 1, self.rank + self.rope)]
 
+    def flat_view(self, cache):  # [slots, 1, rank + rope], what k_new is
+        return cache.view(-1, 1, cache.shape[-1])
+
     def absorbed(self):
         """kv_b_proj as the two absorbed matrices, views of its weight made once (their storage is
         the parameter's, so an in-place reload shows through): w_uk [H, nope, rank], w_uv^T [H, rank, v]."""
         w = self.kv_b_proj.weight
+        if torch.compiler.is_compiling():  # views in the graph (no cache check: data_ptr breaks the graph)
+            v = w.view(self.num_heads, self.nope + self.vdim, self.rank)
+            return v[:, : self.nope], v[:, self.nope :].transpose(1, 2)
         cached = self.__dict__.get("_absorbed")  # in __dict__: not a registered parameter or buffer
-        if cached is None or cached[0] is not w:
+        if cached is None or cached[0] is not w or cached[1].data_ptr() != w.data_ptr():
             v = w.view(self.num_heads, self.nope + self.vdim, self.rank)
             cached = self.__dict__["_absorbed"] = (w, v[:, : self.nope], v[:, self.nope :].transpose(1, 2))
         return cached[1:]
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, Hh = x.shape[0], self.num_heads
+        # the packed projection viewed [T, 1, ...]: the latent and the rope key come with their head axis
         if self.q_lora:
-            q_a, latent, k_pe = self.qkv_a_proj(x).split([self.qkv_a_proj.sizes[0], self.rank, self.rope], dim=-1)
+            q_a, latent, k_pe = self.qkv_a_proj(x).view(T, 1, -1).split(
+                [self.qkv_a_proj.sizes[0], self.rank, self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            latent, k_pe = self.qkv_a_proj(x).split([self.rank, self.rope], dim=-1)
+            latent, k_pe = self.qkv_a_proj(x).view(T, 1, -1).split([self.rank, self.rope], dim=-1)
             q = self.q_proj(x)
         q_nope, q_pe = q.view(T, Hh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        pe = apply_rope(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)  # q's heads and the shared key
+        latent = self.kv_a_layernorm(latent)  # [T, 1, rank]
+        pe = apply_rope(torch.cat([q_pe, k_pe], dim=1), cos, sin)  # q's heads and the shared key
         w_uk, w_uv_t = self.absorbed()
+        # bmm over the heads (transposes are views; einsum would be one op where these are three,
+        # but it costs 2-3x the time of the three on the CPU at these sizes)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
-        k_new = torch.cat([latent[:, None, :], pe[:, Hh:]], dim=-1)  # [T, 1, rank + rope]
-        out = paged_attention(torch.cat([q_latent, pe[:, :Hh]], dim=-1), k_new, latent[:, None, :],
-                              self.kv_cache[0], None, meta, self.scale)  # [T, H, rank]
+        k_new = torch.cat([latent, pe[:, Hh:]], dim=-1)  # [T, 1, rank + rope]: the flat cache's row
+        out = paged_attention(torch.cat([q_latent, pe[:, :Hh]], dim=-1), k_new, latent,
+                              self.kv_cache[0], None, meta, self.scale, flat=self.kv_flat)  # [T, H, rank]
         out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(T, -1)
         out = F.linear(out, self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
@@ -274,13 +302,14 @@ def route(logits: torch.Tensor, spec: ModelSpec, correction_bias=None):
     else:
         choice = scores
     T, E = choice.shape
-    if spec.n_group > 1:
+    if 1 < spec.n_group and spec.topk_group < spec.n_group:  # else every group is kept: no mask at all
         grouped = choice.view(T, spec.n_group, E // spec.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
-        # the groups outside the best topk_group: -inf for every expert in them
-        drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(
-            1, group_scores.topk(spec.topk_group, dim=-1).indices, False)
-        choice = grouped.masked_fill(drop[:, :, None], float("-inf")).view(T, E)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1, keepdim=True)  # [T, n_group, 1]
+        # the groups outside the best topk_group (below the topk_group-th best group score): -inf for
+        # every expert in them. One threshold compare in place of topk + scatter of the group ids:
+        # the same groups unless two groups' scores tie exactly at the threshold (then both stay)
+        kth = group_scores.kthvalue(spec.n_group - spec.topk_group + 1, dim=1, keepdim=True).values
+        choice = grouped.masked_fill(group_scores < kth, float("-inf")).view(T, E)
     ids = choice.topk(spec.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if spec.norm_topk_prob:
@@ -297,7 +326,7 @@ def count_ids(ids: torch.Tensor, n: int, weights=None) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, w)
 
 
-def run_experts(xs, slots, w13, w2):
+def run_experts(xs, slots, w13, w2, w13t=None, w2t=None, padding: bool = True):
     """Run each row through the expert in its local slot, grouped per slot.
 
     xs [N, H]; slots [N] long in [0, n_slots], n_slots meaning a padding row (its output is left
@@ -307,24 +336,31 @@ def run_experts(xs, slots, w13, w2):
     Rows are sorted by slot and each projection is one grouped matmul (slot e multiplies rows
     offs[e-1]:offs[e]) whose offsets stay on the device: nothing here waits for the host, whatever
     the routing. Where torch has no grouped matmul for the device/dtype/layout, a loop of two
-    matmuls per slot (which reads the counts on the host) is the fallback.
+    matmuls per slot (which reads the counts on the host) is the fallback. w13t / w2t: the weights'
+    [n_slots, H, 2I] / [n_slots, I, H] transposed views, made once by the caller (None: here).
+    padding False: no row is a padding row (every slot < n_slots), which saves cutting the count off.
     """
     n_slots = w13.shape[0]
     order = torch.argsort(slots, stable=True)
     # slot n_slots marks padding (expert parallelism's fixed-size buffers): sorted last, never computed
-    counts = count_ids(slots, n_slots + 1)[:n_slots]
+    counts = count_ids(slots, n_slots + 1)[:n_slots] if padding else count_ids(slots, n_slots)
     xs_sorted = xs.index_select(0, order)
     if torch.compiler.is_compiling():  # an opaque op to the compiler (its grouped matmul has no fp32 trace)
         ys_sorted = torch.ops.dspark.grouped_experts(xs_sorted, counts, w13, w2)
     else:  # eager: the function itself (an op's dispatch costs ~10 us a call)
-        ys_sorted = grouped_experts(xs_sorted, counts, w13, w2)
-    return torch.empty_like(ys_sorted).index_copy_(0, order, ys_sorted), counts
+        ys_sorted = grouped_experts(xs_sorted, counts, w13, w2, w13t, w2t)
+    # back in the rows' order: out-of-place index_copy (row order[i] := sorted row i; order is a
+    # permutation, so every row is written), one op where empty + index_copy_ are two
+    if torch.compiler.is_compiling():  # the compiler may write the copy in place over its source
+        return torch.empty_like(ys_sorted).index_copy_(0, order, ys_sorted), counts
+    return torch.index_copy(ys_sorted, 0, order, ys_sorted), counts
 
 
-def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    w13t: Optional[torch.Tensor] = None, w2t: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows sorted by slot, counts [n_slots] rows per slot -> each row through its slot's expert
     (rows past the last slot's are left unspecified)."""
-    ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2)
+    ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2, w13t, w2t)
     if ys_sorted is None:  # no grouped matmul for this layout
         ys_sorted = torch.zeros_like(xs_sorted)
         start = 0
@@ -336,14 +372,18 @@ def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Te
     return ys_sorted
 
 
-torch.library.custom_op("dspark::grouped_experts", grouped_experts, mutates_args=()).register_fake(
+def _grouped_experts_op(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return grouped_experts(xs_sorted, counts, w13, w2)
+
+
+torch.library.custom_op("dspark::grouped_experts", _grouped_experts_op, mutates_args=()).register_fake(
     lambda xs_sorted, counts, w13, w2: torch.empty_like(xs_sorted))
 
 
 _NO_GROUPED_MM: set = set()
 
 
-def _grouped_mm_experts(xs_sorted, counts, w13, w2):
+def _grouped_mm_experts(xs_sorted, counts, w13, w2, w13t=None, w2t=None):
     """Both expert projections as grouped matmuls, or None where torch has no grouped matmul for
     this device, dtype and shape (its kernels want 16-byte aligned rows, some CUDA archs none at all)."""
     key = (xs_sorted.device.type, xs_sorted.dtype, w13.shape[1:], w2.shape[1:])
@@ -351,8 +391,8 @@ def _grouped_mm_experts(xs_sorted, counts, w13, w2):
         return None
     try:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = torch._grouped_mm(xs_sorted, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+        gate, up = torch._grouped_mm(xs_sorted, w13.transpose(1, 2) if w13t is None else w13t, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2) if w2t is None else w2t, offs=offs)
     except (AttributeError, RuntimeError, NotImplementedError):
         _NO_GROUPED_MM.add(key)
         return None
@@ -397,10 +437,23 @@ class MoE(nn.Module):
         # one shard holding every expert in order: a logical id is its slot (no lookup, load = slot load)
         self.identity_slots = self.expert_ids == list(range(self.spec.num_experts))
 
-    def run_local(self, xs, slots):
+    def transposed(self):
+        """w13 and w2 as the grouped matmul takes them ([n, H, 2I], [n, I, H]), views made once (their
+        storage is the parameters': in-place loads and expert migrations show through)."""
+        w13, w2 = self.w13, self.w2
+        c = self.__dict__.get("_transposed")  # in __dict__: not a registered parameter or buffer
+        if c is None or c[0] is not w13 or c[1] is not w2 or c[2].data_ptr() != w13.data_ptr() \
+                or c[3].data_ptr() != w2.data_ptr():
+            c = self.__dict__["_transposed"] = (w13, w2, w13.transpose(1, 2), w2.transpose(1, 2))
+        return c[2:]
+
+    def run_local(self, xs, slots, padding: bool = True):
         """xs [N, H] rows for this shard's slots [N] -> (unweighted expert outputs [N, H], rows per
-        slot); what an expert-parallel dispatcher calls once the rows have reached their rank."""
-        return run_experts(xs, slots, self.w13, self.w2)
+        slot); what an expert-parallel dispatcher calls once the rows have reached their rank.
+        padding False: no row has the padding slot (n_slots)."""
+        if torch.compiler.is_compiling():  # the grouped matmul is an opaque op there: no views needed
+            return run_experts(xs, slots, self.w13, self.w2, padding=padding)
+        return run_experts(xs, slots, self.w13, self.w2, *self.transposed(), padding=padding)
 
     def forward(self, x, real=None):
         """real: [T] bool, the rows that are real tokens (None: all); a compiled step pads its batch
@@ -419,7 +472,7 @@ class MoE(nn.Module):
             routed = self.dispatch(self, x, ids, weights)
         else:  # every expert is local: token t's k assignments are rows t*k .. t*k+k-1
             slots = flat if self.identity_slots else self.local_ids[flat]
-            ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), slots)
+            ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), slots, padding=False)
             if real_rows is not None:
                 self.last_slot_load = count_ids(slots, len(self.expert_ids), real_rows)
             self.last_load = self.last_slot_load if self.identity_slots else count_ids(

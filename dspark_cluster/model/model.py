@@ -84,11 +84,20 @@ class DecoderModel(nn.Module):
         self.lm_head = ColumnParallelLinear(spec.hidden_size, self.model.embed_tokens.weight.shape[0])
         inv_freq, self.rope_scaling = rope_inv_freq(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("rope_table", self._rope_table(inv_freq), persistent=False)
+
+    def _rope_table(self, inv_freq):
+        """cos and sin of every position the model takes ([2, max_position_embeddings, 1, D]), as
+        `rope_cos_sin` computes them (elementwise, so row p is what it gives for position p): a step
+        looks its positions up (one index_select) instead of computing them (~14 ops)."""
+        positions = torch.arange(self.spec.max_position_embeddings, device=inv_freq.device)
+        return torch.stack(rope_cos_sin(positions, inv_freq, self.rope_scaling))
 
     def reset_buffers(self):
         """Recompute derived (non-checkpoint) buffers after materialising from the meta device."""
         device = self.lm_head.weight.device
         self.inv_freq = rope_inv_freq(self.spec)[0].to(device)
+        self.rope_table = self._rope_table(self.inv_freq)
         for moe in self.moe_layers:
             moe.set_expert_ids(moe.expert_ids)
             moe.study_router_bias = torch.zeros(self.spec.num_experts, device=device)
@@ -110,7 +119,12 @@ class DecoderModel(nn.Module):
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
     def rope(self, positions, dtype):
-        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
+        """cos, sin [T, 1, D] of positions [T] in `dtype`, from the table (positions must be below
+        max_position_embeddings, which the config check holds max_model_len to)."""
+        table = self.rope_table
+        if table.dtype != dtype:  # the table is fp32 (as rope_cos_sin computes): cast after the lookup
+            return tuple(t.to(dtype) for t in table.index_select(1, positions).unbind(0))
+        return table.index_select(1, positions).unbind(0)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, capture: tuple = (), real=None):
         """input_ids, positions [T] -> hidden states [T, hidden] after the final norm. capture: decoder
@@ -129,7 +143,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden):
         """hidden [N, hidden] -> fp32 logits [N, vocab] (gathered over the vocab shards)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
         if self.comm.tp_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)[:, : self.spec.vocab_size]
         return logits

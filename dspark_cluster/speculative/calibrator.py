@@ -96,6 +96,7 @@ class Calibrator:
         self._inbox: list[SequenceSample] = []
         self._inbox_bytes = 0
         self._inbox_lock = threading.Lock()
+        self._take_lock = threading.Lock()  # one take_inbox at a time (see there)
         self.inbox_dropped = 0  # sequences refused while the inbox held buffer_bytes (training kept it from draining)
         self.nonfinite_steps = 0  # optimiser steps skipped for a loss that was not finite
         self._rng = random.Random(seed)
@@ -125,12 +126,16 @@ class Calibrator:
                 self._inbox_bytes += s.nbytes
 
     def take_inbox(self) -> None:
-        with self._inbox_lock:
-            samples, self._inbox, self._inbox_bytes = self._inbox, [], 0
-        for s in samples:
-            prepared = self.buffer.prepare(s, self.vocab_size)  # the filtering, outside the lock
-            with self._lock:
-                self.buffer.insert(*prepared)
+        """Every sample added so far is in the buffer when this returns: the background thread's take
+        and a caller's are serialised (else a caller could find the inbox emptied by the thread while
+        the thread still inserts, and read a partial buffer)."""
+        with self._take_lock:
+            with self._inbox_lock:
+                samples, self._inbox, self._inbox_bytes = self._inbox, [], 0
+            for s in samples:
+                prepared = self.buffer.prepare(s, self.vocab_size)  # the filtering, outside the training lock
+                with self._lock:
+                    self.buffer.insert(*prepared)
 
     def ready(self) -> bool:
         """Enough rounds for an update, and new ones since the last."""
