@@ -461,11 +461,17 @@ def start_router(cfg: Config):
     return router
 
 
-def stop_router(router) -> None:
+def stop_router(router, timeout_s: float = 90.0) -> None:
+    """Ask the Router to shut down (it drains, stops its workers and drafters, removes its placement
+    groups), then kill it and remove whatever placement groups it left: a Router killed while it was
+    still shutting down (past `timeout_s`: a slow machine, a step stuck past its timeout) would
+    otherwise leave its groups holding their devices for the rest of the job."""
     import ray
 
     try:
-        ray.get(router.shutdown.remote(), timeout=60)
+        ray.get(router.shutdown.remote(), timeout=timeout_s)
     except Exception:
         pass
     ray.kill(router, no_restart=True)
+    with contextlib.suppress(Exception):
+        remove_placement_groups_of(router._actor_id.hex())

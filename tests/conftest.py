@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -132,6 +134,33 @@ def _ray_nodes_stay_up(request):
             with open(log, errors="replace") as f:
                 lines += [line.strip() for line in f if "Check failed" in line or " F " in line][:3]
         pytest.fail(f"{len(dead)} Ray node(s) died during this test; raylet logs: {lines or 'nothing found'}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_placement_group_left():
+    """After each module: no placement group of ours is left on the session's Ray. One left holds its
+    devices for the rest of the session, so every later test that needs them waits out its placement
+    timeout and fails far from the cause: report it at the module that left it, and remove it."""
+    yield
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
+
+    def left():
+        return {i.get("name"): i.get("state") for i in placement_group_table().values()
+                if (i.get("name") or "").startswith("dspark-") and i.get("state") != "REMOVED"}
+
+    deadline = time.monotonic() + 10  # a removal the GCS has not recorded yet
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leaked = left()
+    for name in leaked:
+        with contextlib.suppress(Exception):
+            remove_placement_group(get_placement_group(name))
+    if leaked:
+        pytest.fail(f"placement groups left by this module (removed now): {leaked}")
 
 
 def alive_actors(class_name: str) -> int:

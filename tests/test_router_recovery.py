@@ -173,3 +173,17 @@ def test_router_restarts_are_bounded(ray_cluster):
         asyncio.run(scenario())
     finally:
         client.shutdown()
+
+
+def test_a_router_killed_while_it_shuts_down_leaves_no_placement_group(ray_cluster):
+    """A Router that does not finish its shutdown in time is killed; Ray ends the workers it made but
+    keeps its placement groups, which would hold their devices for the rest of the job: stop_router
+    removes them."""
+    from actors.cluster import start_router, stop_router
+
+    cfg = load_config({"model": {"path": TINY}, "parallel": {"executor": "ray", "tensor": 2}})
+    router = start_router(cfg)
+    rid = router._actor_id.hex()
+    assert len(_placement_groups_of(rid)) == 1
+    stop_router(router, timeout_s=0)  # killed at once, mid-shutdown at best
+    assert not _placement_groups_of(rid)

@@ -137,7 +137,11 @@ def test_a_worker_that_cannot_load_its_shard_fails_cleanly(checkpoint, ray_clust
 def test_tp_groups_stay_on_one_node(checkpoint, ray_cluster):
     path = checkpoint("qwen3_moe")
     a = ray_llm(path, 4)
-    b = ray_llm(path, 4)  # the first group fills one 4-CPU node, so this one must take the other
+    try:
+        b = ray_llm(path, 4)  # the first group fills one 4-CPU node, so this one must take the other
+    except BaseException:
+        a.shutdown()
+        raise
     try:
         import ray
 
