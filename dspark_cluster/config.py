@@ -172,6 +172,12 @@ class SpeculativeConfig(_Section):
     # context_window rows and send them once when drafting resumes. auto: the drafter's config.json
     # `context_window`, else 512 (the rows online calibration trains each round on)
     context_window: Union[Literal["auto"], int] = "auto"
+    # where the drafter runs. target: on the target's driver rank (of each data-parallel group), on its
+    # device, drafting for the next step right after a step's verification, in the same call: no drafter
+    # process, no drafter round trip per step, no context rows or draft law on the wire (DSpark, without
+    # online calibration). group: the drafter group (in process, or on Ray actors with devices of their
+    # own: draft_workers, draft_tensor, online calibration). auto: target where it applies, else group
+    placement: Literal["auto", "target", "group"] = "auto"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
     @property
@@ -179,12 +185,25 @@ class SpeculativeConfig(_Section):
         """A drafter runs: a method is chosen and it may propose tokens."""
         return self.method != "none" and self.num_tokens > 0
 
+    @property
+    def on_target(self) -> bool:
+        """The drafter runs on the target's driver ranks (placement target, or auto where it applies)."""
+        if self.placement == "auto":
+            return self.enabled and self.method == "dspark" and not self.calibration.enabled
+        return self.enabled and self.placement == "target"
+
     @model_validator(mode="after")
     def _check(self):
         if self.method in ("draft_model", "dspark") and not self.draft_model:
             raise ValueError(f"draft_model: method {self.method!r} needs a draft_model path")
         if self.context_window != "auto" and self.context_window < 1:
             raise ValueError(f"context_window: got {self.context_window}; use 'auto' or an integer >= 1")
+        if self.placement == "target" and self.method != "dspark":
+            raise ValueError(f"placement: got 'target' with method {self.method!r}; a drafter on the target's "
+                             "driver rank is a DSpark drafter: use method dspark, or placement group")
+        if self.placement == "target" and self.calibration.enabled:
+            raise ValueError("placement: got 'target' with calibration.enabled; online calibration trains the "
+                             "drafter in the drafter group: use placement group (or auto), or switch calibration off")
         if self.calibration.enabled and self.method != "dspark":
             raise ValueError(f"calibration.enabled: got true with method {self.method!r}; online calibration trains "
                              "the DSpark drafter: use method dspark or set calibration.enabled false")

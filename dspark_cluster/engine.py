@@ -333,6 +333,8 @@ class LLMEngine:
             if self.speculation is not None:
                 rounds, tokens = self.speculation.observe(rows, sampled, self.num_steps)
                 spec_rounds, spec_tokens = spec_rounds + rounds, spec_tokens + tokens
+                if self.speculation.on_target:
+                    self.speculation.collect(rows, out, self.schedulers)
             for seq, new in g.update(sc.scheduled, sampled):
                 lps = token_lps.get(seq.seq_id)
                 if lps is not None:
@@ -369,9 +371,10 @@ class LLMEngine:
         if self.speculation is not None:
             self.drafter.stats.verify_time_s += verify_time
             stats.update(self.speculation.step_stats(scheds))
-            if not stats["overlapped"] and not step.scheduled_ahead:
+            if not stats["overlapped"] and not step.scheduled_ahead:  # (a drafter on the target drafted inside it)
                 self.speculation.observe_step_cost(
-                    max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds), execute_time)
+                    max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds),
+                    execute_time - max(o.draft_s for o in outs))
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
         self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)
@@ -467,7 +470,9 @@ class LLMEngine:
             if self.drafter is not None and self.drafter.backend is not None:
                 with contextlib.suppress(Exception):  # a drafter group restarting: its bytes are not counted
                     ranks += self.drafter.backend.comm_stats()
-        return self.meter.usage(stats.draft_time_s if stats is not None else 0.0, tokens, ranks)
+        # a drafter on the target drafts inside the workers' step: its time is in their forward time already
+        draft_s = stats.draft_time_s if stats is not None and not self.speculation.on_target else 0.0
+        return self.meter.usage(draft_s, tokens, ranks)
 
     def device_reports(self, refresh: bool = True) -> list[dict]:
         """Every device (or process) the engine holds, with its memory by kind (cost.CostMeter.devices).
@@ -482,8 +487,9 @@ class LLMEngine:
                     refresh: bool = True) -> dict:
         """The cost ledger from `since` (a usage() snapshot; default: the engine's start) to now."""
         now = self.usage(comm)
+        # (a drafter on the target has no devices of its own: its time and memory are the target's)
         return self.meter.ledger(since or self._usage_at_start, now, self.device_reports(refresh),
-                                 self.speculation is not None, num_requests)
+                                 self.speculation is not None and not self.speculation.on_target, num_requests)
 
     def shutdown(self) -> None:
         if self.drafter is not None:

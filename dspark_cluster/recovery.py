@@ -52,5 +52,7 @@ def restart_workers(engine, error: WorkerError) -> None:
             g.requeue_all(BlockManager(engine.num_blocks, engine.block_size, engine.cfg.scheduler.prefix_caching))
         if engine.balancer is not None:  # new workers start from the default expert placement
             engine.balancer.reset_placement()
+        if engine.speculation is not None:  # they keep no context rows (and hold no drafter on the target)
+            engine.speculation.workers_restarted()
     finally:
         engine.restarting = False

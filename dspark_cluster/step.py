@@ -102,6 +102,10 @@ class StepInput(_NumpyWire):
     # out, before its own, with the next step that exports that sequence (a drafter idle meanwhile)
     export_rows: Optional[torch.Tensor] = None
     free_context: Optional[torch.Tensor] = None  # [F] long: sequences whose kept rows the worker drops
+    # speculative.placement target: after verifying, the driver rank drafts up to propose_k[s] tokens for
+    # sample row s for the next step (0: none), from the states this step computed; the proposals come back
+    # in StepOutput.draft_* and the draft laws of sampled rows stay on that rank for the next verification
+    propose_k: Optional[torch.Tensor] = None  # [S] long
     # online calibration: sample rows whose verify rounds are recorded (with the target's top-k law)
     record_rounds: Optional[torch.Tensor] = None  # [S] bool (the top-k kept: a run's constant, at worker setup)
     # log-probabilities: per sample row, how many top alternatives to return with each produced token's
@@ -137,3 +141,11 @@ class StepOutput(_NumpyWire):
     prompt_token_logprobs: Optional[torch.Tensor] = None
     prompt_top_ids: Optional[torch.Tensor] = None
     prompt_top_logprobs: Optional[torch.Tensor] = None
+    # StepInput.propose_k (placement target), per sample row: the tokens drafted for the next step (-1
+    # past each row's own), their raw confidences, and the sequence length each proposal continues
+    # (0: no proposal for the row); the drafting's seconds; a drafter failure (drafting then stops)
+    draft_tokens: Optional[torch.Tensor] = None  # [S, K] long
+    draft_confidences: Optional[torch.Tensor] = None  # [S, K] float32
+    draft_lengths: Optional[torch.Tensor] = None  # [S] long
+    draft_s: float = 0.0
+    drafter_error: Optional[str] = None

@@ -20,7 +20,7 @@ from .step import StepInput, StepOutput
 @torch.inference_mode()
 def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = True,
                  prev_sampled: Optional[torch.Tensor] = None, export_layers: tuple = (),
-                 record_top_logprobs: int = 20, compiled=None, stash=None) -> StepOutput:
+                 record_top_logprobs: int = 20, compiled=None, stash=None, drafter=None) -> StepOutput:
     """Run the model on one StepInput; sample (or verify drafts for) the rows that need tokens.
     `sample_tokens=False` (non-driver ranks) skips sampling; the forward still runs (SPMD).
     `prev_sampled`: this rank's `sampled` of the previous step, for the inputs the scheduler did not
@@ -29,7 +29,9 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
     `step.seq_ids`), and `record_top_logprobs`, the target's top-k kept per recorded verify round.
     `compiled`: the worker's model.compile runner (model/compiled.py), for the steps it applies to.
     `stash`: the driver rank's speculative.context.ContextStash, which keeps the rows a step does not
-    export (`step.export_rows`) until one does; None: every row is exported."""
+    export (`step.export_rows`) until one does; None: every row is exported. `drafter`: the driver rank's
+    speculative.on_target.TargetDrafter (placement target): it takes the exported rows instead of the
+    output, holds the draft laws this step verifies, and drafts for the next step (`step.propose_k`)."""
     t0 = time.perf_counter()
     if step.prev_token_pos is not None:
         if prev_sampled is None:
@@ -39,15 +41,19 @@ def execute_step(model, step: StepInput, device="cpu", sample_tokens: bool = Tru
     if stash is not None:
         if step.free_context is not None:
             stash.free(step.free_context.tolist())
+            if drafter is not None:
+                drafter.free(step.free_context.tolist())
         if not capture and step.query_lens.numel():  # no drafter takes rows (none serves now): keep none
             stash.clear()
-    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs, compiled, stash)
+    out = _execute_step(model, step, device, sample_tokens, capture, record_top_logprobs, compiled, stash, drafter)
+    if drafter is not None:
+        out.drafter_error = drafter.take_error()
     out.forward_s = time.perf_counter() - t0
     return out
 
 
 def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: tuple,
-                  record_top_logprobs: int, compiled=None, stash=None) -> StepOutput:
+                  record_top_logprobs: int, compiled=None, stash=None, drafter=None) -> StepOutput:
     if step.query_lens.numel() == 0:
         return _idle_step(model, device)
     if compiled is not None and compiled.applies(step):
@@ -79,6 +85,12 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
             probs = law_rows = None  # the sampled rows' draft laws (the others are one-hot)
             if step.draft_probs is not None:
                 probs, law_rows = step.draft_probs.to(device), step.draft_law_rows.to(device)
+            elif drafter is not None and bool(((nd > 0) & (step.temperature > 0)).any()):
+                # placement target: the sampled rows' laws stayed here, with the drafter
+                lengths = step.context_lens[step.sample_rows] - nd  # the length each row's drafts continue
+                probs, law_rows = drafter.verify_laws(step.seq_ids[step.sample_rows], step.draft_tokens, nd, lengths,
+                                                      torch.nonzero((nd > 0) & (step.temperature > 0)).flatten())
+                probs, law_rows = probs.to(device), law_rows.to(device)
             tokens, num_tokens = verify(padded, step.draft_tokens.to(device), nd.to(device), probs, *args, law_rows)
             sampled, num_tokens, scored = tokens.cpu(), num_tokens.cpu(), padded
             if step.record_rounds is not None and capture:
@@ -93,16 +105,27 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
     context = None
     if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
         context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
-                                 step.num_draft, num_tokens, to_host=stash is None)
+                                 step.num_draft, num_tokens, to_host=stash is None and drafter is None)
         context.rounds = rounds
         if stash is not None:  # the rows not exported now stay here; None when nothing goes out
-            context = stash.route(context, step.export_rows, step.seq_ids)
+            context = stash.route(context, step.export_rows, step.seq_ids, to_host=drafter is None)
+        if drafter is not None:  # they stay on the device, with the drafter
+            drafter.ingest(context)
+            context = None
     model.captured = None
+    drafted = {}
+    if drafter is not None and step.propose_k is not None and sample_tokens and S:
+        # the next step's drafts, from each row's sequence as this step left it
+        rows = step.sample_rows
+        lengths = step.context_lens[rows] - nd + num_tokens
+        anchors = sampled.gather(1, (num_tokens - 1)[:, None]).squeeze(1)
+        drafted = drafter.propose(step.propose_k, step.seq_ids[rows], lengths, anchors, step.temperature, step.top_k,
+                                  step.top_p, step.seeds, step.positions_out + num_tokens)
     slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
     return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
                       slot_load=torch.stack(slot).cpu() if slot else None,
                       logits=logits.cpu() if step.return_logits and logits is not None else None,
-                      context=context, export_bytes=context.nbytes if context is not None else 0,
+                      context=context, export_bytes=context.nbytes if context is not None else 0, **drafted,
                       **(dict(zip(("token_logprobs", "top_ids", "top_logprobs"), token_lp)) if token_lp else {}),
                       **(dict(zip(("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs"), prompt_lp))
                          if prompt_lp else {}))

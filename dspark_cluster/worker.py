@@ -48,6 +48,9 @@ class WorkerConfig:
     export_layers: tuple = ()
     record_top_logprobs: int = 20
     context_window: int = 0  # DSpark: the rows per sequence kept while its drafter is idle (ContextStash)
+    # speculative.placement target: the DSpark drafter the driver rank hosts ("" : none), and its most tokens
+    draft_model: str = ""
+    num_draft_tokens: int = 0
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
@@ -61,7 +64,9 @@ class WorkerConfig:
         return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
                    num_redundant_experts=cfg.eplb.num_redundant_experts,
                    hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,
-                   export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window)
+                   export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window,
+                   draft_model=str(sp.draft_model) if sp.on_target else "",
+                   num_draft_tokens=sp.num_tokens if sp.on_target else 0)
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -116,6 +121,12 @@ class Worker:
             from .speculative.context import ContextStash
 
             self.stash = ContextStash(cfg.context_window)
+        self.drafter = None  # placement target: the DSpark drafter beside this driver rank's shard
+        if cfg.draft_model and self.tp_rank == 0:
+            from .speculative.on_target import TargetDrafter
+
+            self.drafter = TargetDrafter(cfg.draft_model, cfg.model.path, spec, self.device, cfg.num_draft_tokens,
+                                         cfg.context_window)
 
     # -- KV --------------------------------------------------------------------------------------
 
@@ -160,7 +171,7 @@ class Worker:
             out = execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
                                prev_sampled=self._prev_sampled, export_layers=self.cfg.export_layers,
                                record_top_logprobs=self.cfg.record_top_logprobs, compiled=self.compiled,
-                               stash=self.stash)
+                               stash=self.stash, drafter=self.drafter)
         finally:
             # this step's share of the expert transfers, here between two steps on the step thread: every rank
             # runs the same steps, so all issue them at the same point among the step's collectives (also after
@@ -197,6 +208,7 @@ class Worker:
             "device": str(self.device),
             "compile": self.compiled.stats() if self.compiled is not None else None,
             **(self.stash.report() if self.stash is not None else {}),
+            **(self.drafter.memory_report() if self.drafter is not None else {}),
         }
 
     def comm_stats(self) -> dict:
@@ -205,3 +217,4 @@ class Worker:
     def shutdown(self) -> None:
         self.model = None
         self.migration = None
+        self.drafter = None

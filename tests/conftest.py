@@ -174,3 +174,10 @@ def build_dspark(target_path, out_dir, **kw):
     from dspark_cluster.speculative.dspark_model import random_drafter
 
     return random_drafter(target_path, out_dir, **kw)
+
+
+def dspark_proposer(llm):
+    """An in-process engine's DSpark proposer: the drafter group's, or (placement target) the worker's."""
+    if llm.engine.speculation.on_target:
+        return llm.engine.executor.worker.drafter.proposer
+    return llm.engine.drafter.backend.proposer

@@ -244,8 +244,9 @@ def test_verify_on_the_device(greedy, one_hot):
         assert torch.equal(cpu(n)[seeded], ref_n[seeded])
         for s in range(S)[seeded]:
             assert cpu(tokens)[s, : int(ref_n[s])].tolist() == ref_tokens[s, : int(ref_n[s])].tolist()
-        with pytest.raises(RuntimeError, match="device"):  # sampling parameters left on the CPU
-            verify(*args(DEV)[:4], *_params(S, "cpu", greedy))
+        if not greedy:  # sampling parameters left on the CPU (every row greedy reads none of them)
+            with pytest.raises(RuntimeError, match="device"):
+                verify(*args(DEV)[:4], *_params(S, "cpu", greedy))
 
 
 # ---------------------------------------------------------------------------------------- proposers

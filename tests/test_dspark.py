@@ -7,16 +7,17 @@ import torch
 from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.errors import ConfigError
 
-from conftest import build_dspark, random_prompts
+from conftest import build_dspark, dspark_proposer, random_prompts
 from test_speculative import small_vocab  # noqa: F401 -- fixture
 from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_verify, full_rounds, law_pvalue, seeded
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def dspark_config(draft, k=4, **parallel):
+def dspark_config(draft, k=4, placement="group", **parallel):
     return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
-            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}}
+            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static",
+                            "placement": placement}}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
 
 def spy_on_ingest(llm) -> list:
     """The ContextRows the in-process drafter ingests, as they arrive (it still ingests them)."""
-    backend = llm.engine.drafter.backend.proposer
+    backend = dspark_proposer(llm)
     seen, ingest = [], backend.ingest
 
     def spy(rows):
@@ -91,13 +92,15 @@ def spy_on_ingest(llm) -> list:
     return seen
 
 
-def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, drafters, prompts):
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_exported_context_is_the_target_states_of_committed_tokens(placement, checkpoint, drafters, prompts):
     """What reaches the drafter, position by position, equals transformers' hidden states of the
-    final sequence (so rejected drafts never leak in), and the step's byte count is those rows'."""
+    final sequence (so rejected drafts never leak in), and the step's byte count is those rows'
+    (none with the drafter on the target: the rows never leave its device)."""
     from conftest import hf_model
 
     target = checkpoint("deepseek_v3")
-    llm = LLM(target, config=dspark_config(drafters("deepseek_v3")))
+    llm = LLM(target, config=dspark_config(drafters("deepseek_v3"), placement=placement))
     seen = spy_on_ingest(llm)
     outs = llm.generate(prompts, GREEDY)
     stats = llm.engine.drafter.stats.summary()
@@ -117,30 +120,32 @@ def test_exported_context_is_the_target_states_of_committed_tokens(checkpoint, d
         assert sorted(rows) == list(range(len(seq) - 1))
         torch.testing.assert_close(torch.stack([rows[p] for p in range(len(seq) - 1)]), want, atol=1e-4, rtol=1e-4)
     exported = sum(s["export_bytes"] for s in llm.engine.step_stats)
-    assert exported == sum(r.nbytes for r in seen) > 0
+    assert exported == (0 if placement == "target" else sum(r.nbytes for r in seen)) and seen
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_greedy_output_is_identical_with_dspark(arch, checkpoint, drafters, prompts):
+@pytest.mark.parametrize("arch, placement", [("qwen3_moe", "group"), ("deepseek_v3", "group"), ("qwen3_moe", "target"),
+                                             ("deepseek_v3", "target")])
+def test_greedy_output_is_identical_with_dspark(arch, placement, checkpoint, drafters, prompts):
     target = checkpoint(arch)
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
-    llm = LLM(target, config=dspark_config(drafters(arch), k=3))
+    llm = LLM(target, config=dspark_config(drafters(arch), k=3, placement=placement))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == base
     stats = llm.engine.drafter.stats.summary()
     assert stats["verify_rounds"] > 0 and stats["num_draft_tokens"] > 0
-    assert llm.engine.drafter.backend.proposer.misses == 0  # in process the context is always there in time
+    assert dspark_proposer(llm).misses == 0  # in process the context is always there in time
     conf = stats["mean_confidence_by_position"]
     assert len(conf) == 3 and all(0 < c < 1 for c in conf)
 
 
-def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0) -> float:  # noqa: F811
+def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0,  # noqa: F811
+                      placement: str = "group") -> float:
     """Speculation with a random DSpark drafter over small_vocab's target, k drafts a round: the
     p-value of the output law against the target's (see test_speculative's law tests), after
     checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected."""
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
     llm = LLM(small_vocab["target"], config={"scheduler": LAW_SCHED, "speculative": {
-        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static"}})
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement}})
     spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
     stats = llm.engine.drafter.stats
     assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k
@@ -151,16 +156,19 @@ def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000
     return p
 
 
-@pytest.mark.parametrize("k, top_p", [(2, 1.0), (3, 0.8)])
-def test_dspark_sampling_is_lossless(k, top_p, small_vocab, tmp_path):  # noqa: F811
-    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p)
+@pytest.mark.parametrize("k, top_p, placement", [(2, 1.0, "group"), (3, 0.8, "group"), (3, 0.8, "target")])
+def test_dspark_sampling_is_lossless(k, top_p, placement, small_vocab, tmp_path):  # noqa: F811
+    """With the drafter on the target the draft law of a sampled row never crosses: the driver rank
+    verifies against the law it kept."""
+    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement)
     assert p > LAW_P, p
 
 
-def test_the_dspark_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(small_vocab, tmp_path,  # noqa: F811
-                                                                                monkeypatch):
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_the_dspark_law_test_fails_on_a_verifier_that_reuses_the_first_draft_law(placement, small_vocab,  # noqa: F811
+                                                                                tmp_path, monkeypatch):
     monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
-    p = dspark_law_pvalue(small_vocab, tmp_path, 3, 0.8)
+    p = dspark_law_pvalue(small_vocab, tmp_path, 3, 0.8, placement=placement)
     assert p < LAW_P, p
 
 

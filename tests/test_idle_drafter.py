@@ -14,7 +14,7 @@ from dspark_cluster.speculative.context import ContextStash
 from dspark_cluster.speculative.records import ContextRows
 from dspark_cluster.speculative.verify_budget import VerifyPlanner
 
-from conftest import build_dspark, random_prompts
+from conftest import build_dspark, dspark_proposer, random_prompts
 from test_speculative import small_vocab  # noqa: F401 -- fixture
 from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, law_pvalue, seeded
 
@@ -39,10 +39,10 @@ class PatternPlanner(VerifyPlanner):
         return (~np.isnan(raw)).sum(1)
 
 
-def idle_config(draft, k=4, window=4, **parallel):
+def idle_config(draft, k=4, window=4, placement="group", **parallel):
     return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
             "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "confidence",
-                            "context_window": window}}
+                            "context_window": window, "placement": placement}}
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,14 @@ def plain(target, prompts):
 
 
 def count_calls(llm) -> dict:
-    """Counts of the in-process drafter group's calls (each still runs)."""
-    group, counts = llm.engine.drafter.backend, {}
-    for name in ("propose", "ingest", "prefill_async", "free"):
+    """Counts of the in-process drafter group's calls, or with the drafter on the target of its proposer's
+    (each still runs)."""
+    if llm.engine.speculation.on_target:
+        group, names = dspark_proposer(llm), ("draft", "ingest", "free")
+    else:
+        group, names = llm.engine.drafter.backend, ("propose", "ingest", "prefill_async", "free")
+    counts = {}
+    for name in names:
         inner = getattr(group, name)
 
         def spy(*args, _inner=inner, _name=name):
@@ -79,8 +84,9 @@ def count_calls(llm) -> dict:
     return counts
 
 
-def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(target, drafter, prompts):
-    llm = LLM(target, config=idle_config(drafter))
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(placement, target, drafter, prompts):
+    llm = LLM(target, config=idle_config(drafter, placement=placement))
     eng = llm.engine
     eng.speculation.planner = PatternPlanner(eng.planner, [0] * 8 + [4] * 4)
     counts = count_calls(llm)
@@ -104,18 +110,19 @@ def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(target,
     stats = eng.drafter.stats.summary()
     assert stats["num_draft_tokens"] > 0  # drafting resumed after every idle stretch
     assert eng.speculation.num_catch_ups > 0 and stash.flushes > 0 and stash.rows_flushed > 0
-    assert eng.drafter.backend.proposer.resyncs > 0  # idle stretches longer than the window: rows skipped
-    assert eng.drafter.backend.proposer.misses == 0  # a proposal never waited for rows
+    assert dspark_proposer(llm).resyncs > 0  # idle stretches longer than the window: rows skipped
+    assert dspark_proposer(llm).misses == 0  # a proposal never waited for rows
 
 
-def test_greedy_identical_after_long_idle_stretches_in_process(target, drafter, prompts, plain):
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_greedy_identical_after_long_idle_stretches_in_process(placement, target, drafter, prompts, plain):
     """The rows that reach the drafter are the target's states at their positions (flushes put the
     kept rows at the right place), and outputs are plain decoding's."""
     from conftest import hf_model
 
-    llm = LLM(target, config=idle_config(drafter, window=3))
+    llm = LLM(target, config=idle_config(drafter, window=3, placement=placement))
     llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * 10 + [3] * 3 + [0] * 2 + [4] * 2)
-    proposer = llm.engine.drafter.backend.proposer
+    proposer = dspark_proposer(llm)
     seen, ingest = [], proposer.ingest
     proposer.ingest = lambda rows: (seen.append(rows), ingest(rows))
     outs = llm.generate(prompts, GREEDY)
@@ -188,7 +195,7 @@ def test_finished_sequences_leave_the_stash(target, drafter, prompts):
 
 
 def catch_up_law_pvalue(small_vocab, tmp_path, k: int = 2, n: int = 3000, chunk: int = 500, top_p: float = 0.8,
-                        m: int = 4, idle: int = 1) -> float:  # noqa: F811
+                        m: int = 4, idle: int = 1, placement: str = "group") -> float:  # noqa: F811
     """Seeded sampling where each request's drafter is idle for its first `idle` steps (its prefill: the
     rows kept, the latest 2 of them, the window), catches up in its next step (the kept rows and the
     step's own go out once: past a gap, a resync) and drafts k from the next: with idle 1 its tokens
@@ -196,14 +203,15 @@ def catch_up_law_pvalue(small_vocab, tmp_path, k: int = 2, n: int = 3000, chunk:
     target's."""
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
     cfg = {"scheduler": LAW_SCHED, "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k,
-                                                   "schedule": "confidence", "context_window": 2}}
+                                                   "schedule": "confidence", "context_window": 2,
+                                                   "placement": placement}}
     llm = LLM(small_vocab["target"], config=cfg)
     planner = llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * idle + [k] * 8)
     outs = []
     for i in range(0, n, chunk):  # one batch per call: every request is in the same phase of the pattern
         planner.calls = 0
         outs += llm.generate([LAW_PROMPT] * chunk, seeded(chunk, i, max_tokens=k + 2 + idle, top_p=top_p))
-    stats, proposer = llm.engine.drafter.stats, llm.engine.drafter.backend.proposer
+    stats, proposer = llm.engine.drafter.stats, dspark_proposer(llm)
     assert proposer.resyncs == n and llm.engine.executor.worker.stash.flushes == n  # every request caught up once
     assert stats.proposed[k - 1] >= n / 2  # and then verified all k drafts
     assert 0 < stats.accepted[k - 1] and sum(stats.accepted) < sum(stats.proposed)
@@ -212,8 +220,9 @@ def catch_up_law_pvalue(small_vocab, tmp_path, k: int = 2, n: int = 3000, chunk:
     return p
 
 
-def test_sampling_keeps_the_law_across_the_catch_up(small_vocab, tmp_path):  # noqa: F811
-    p = catch_up_law_pvalue(small_vocab, tmp_path)
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_sampling_keeps_the_law_across_the_catch_up(placement, small_vocab, tmp_path):  # noqa: F811
+    p = catch_up_law_pvalue(small_vocab, tmp_path, placement=placement)
     assert p > LAW_P, p
 
 
@@ -223,7 +232,7 @@ def test_the_catch_up_law_test_fails_on_a_verifier_that_reuses_the_first_draft_l
     from test_speculative import first_position_law_verify
 
     monkeypatch.setattr(step_exec, "verify", first_position_law_verify)
-    p = catch_up_law_pvalue(small_vocab, tmp_path)
+    p = catch_up_law_pvalue(small_vocab, tmp_path, placement="target")
     assert p < LAW_P, p
 
 

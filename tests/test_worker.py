@@ -16,12 +16,18 @@ def test_a_worker_gets_only_the_sections_it_needs():
                        "workload": {"hot_experts": [1, 3], "hot_bias": 4.0}})
     w = WorkerConfig.of(cfg)
     assert {f for f in vars(w)} == {"model", "parallel", "scheduler", "num_redundant_experts", "hot_experts",
-                                    "hot_bias", "export_layers", "record_top_logprobs", "context_window"}
+                                    "hot_bias", "export_layers", "record_top_logprobs", "context_window",
+                                    "draft_model", "num_draft_tokens"}
     assert w.num_redundant_experts == 2 and w.hot_experts == (1, 3) and w.hot_bias == 4.0
     assert w.export_layers == () and w.record_top_logprobs == 20  # the run's speculative constants (no drafter)
     dspark = WorkerConfig.of(load_config({"speculative": {"method": "dspark", "draft_model": "tiny-dspark"}}))
     assert dspark.export_layers == (1, 2, 3)  # the bundled drafter's target_layer_ids, sent once at setup
     assert dspark.context_window == 512  # auto: the rows a block reads (what the worker keeps of an idle sequence)
+    # placement auto: the DSpark drafter runs on the driver rank, which loads it
+    assert dspark.draft_model.endswith("tiny-dspark") and dspark.num_draft_tokens == 4
+    grouped = WorkerConfig.of(load_config({"speculative": {"method": "dspark", "draft_model": "tiny-dspark",
+                                                           "placement": "group"}}))
+    assert grouped.draft_model == "" and grouped.num_draft_tokens == 0
     assert pickle.loads(pickle.dumps(w)) == w  # what the Cluster sends each ShardWorker
 
 

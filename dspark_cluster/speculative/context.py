@@ -152,10 +152,12 @@ class ContextStash:
         self.held.clear()
         self.rows_held = 0
 
-    def route(self, rows: ContextRows, export: Optional[torch.Tensor], seq_ids: torch.Tensor) -> Optional[ContextRows]:
+    def route(self, rows: ContextRows, export: Optional[torch.Tensor], seq_ids: torch.Tensor,
+              to_host: bool = True) -> Optional[ContextRows]:
         """A step's committed rows (on the device): those of the sequences whose rows `export` marks
-        ([B] bool over the step's rows; None: all) go out with their held rows, on the host; the
-        others are kept. Returns the rows to export, or None when there are none (nor rounds)."""
+        ([B] bool over the step's rows; None: all) go out with their held rows, on the host (to_host;
+        else left on the device, for a drafter there); the others are kept. Returns the rows to export,
+        or None when there are none (nor rounds)."""
         if export is not None:
             if not bool(export.any()):  # a step that drafts nothing: every row stays here
                 self.keep(rows)
@@ -173,7 +175,8 @@ class ContextStash:
             rows = self.take(rows)
         elif rows.rounds is None:
             return None
-        rows.hidden = rows.hidden.cpu()
+        if to_host:
+            rows.hidden = rows.hidden.cpu()
         return rows
 
     def report(self) -> dict:

@@ -5,7 +5,10 @@ Per step (`engine.LLMEngine.step` calls these in order):
     plan(groups)           the confidence schedule sets how many positions the next step drafts
     attach(scheds)         proposals for the rows that reserved draft slots, cut to the verify budget
     step_fields(scheds)    DSpark: which rows export context to the drafter (the others' rows the workers
-                           keep until drafting resumes for them), which rounds are recorded
+                           keep until drafting resumes for them), which rounds are recorded; with the
+                           drafter on the target (speculative.placement target), which rows it drafts
+                           for after this step
+    collect(rows, out)     placement target: the proposals the step's driver rank drafted for the next
     observe(...)           each row's verify outcome: acceptance stats, the planner's calibration
     free(events)           the drafter forgets finished sequences
 plus the admin operations (status, rollback, resume, the run-time switch) and the summary.
@@ -79,6 +82,12 @@ class Speculation:
         self._asked: set[int] = set()
         self._free_rows: list[int] = []
         self.num_catch_ups = 0  # exports of a stale sequence (each sends the rows the workers kept)
+        # placement target: the drafter drafts on the target's driver ranks right after a step, for the next
+        # one; ready: seq_id -> (the sequence length its proposal continues, the proposal); ahead_s: the
+        # drafting seconds of the latest proposals (the verify budget's draft time for them)
+        self.on_target = cfg.speculative.on_target
+        self.ready: dict[int, tuple[int, Proposal]] = {}
+        self.ahead_s = 0.0
 
     # ---- before scheduling ---------------------------------------------------------------
     def poll(self, groups, num_steps: int) -> None:
@@ -118,6 +127,9 @@ class Speculation:
         drafter's prompt prefill beside the target's (not while the schedule drafts nothing: a
         proposal catches up on what it missed)."""
         rows = [s for sc in scheds for s in sc.scheduled if s.num_lookahead]
+        if self.on_target:  # drafted with the last step, on the target: no drafter call here
+            self._take_ready(rows, scheds)
+            return
         if self.planner is not None and self.planner.exploring:  # drafting only to refresh the estimates,
             # on rows whose context the drafter has first (the others catch up in this step)
             rows = sorted(rows, key=lambda s: s.seq.seq_id in self.stale)[: self.planner.explore_rows]
@@ -127,7 +139,7 @@ class Speculation:
             self._propose(rows, scheds)
             if not self.drafter.alive:  # it failed: plain decoding until a restarted group takes over
                 self.apply(groups)
-        if self.planner is None or any(g.lookahead for g in groups):
+        if self.planner is None or any(g.lookahead for g in groups):  # (a drafter group: not on the target)
             self.drafter.prefill_async([
                 DraftRequest(s.seq.seq_id, s.seq.token_ids, 0) for sc in scheds for s in sc.scheduled
                 if s.samples and s.seq.num_output_tokens == 0 and s.seq.params.speculative
@@ -154,6 +166,26 @@ class Speculation:
             for sc in scheds:
                 self._verify_budget(sc, draft_s, keep)
         for s in rows:  # one cut: the draft slots and the verify budget together
+            if s.proposal is not None:
+                n = keep[id(s)]
+                s.proposal = None if n == 0 else _cut(s.proposal, n)
+
+    def _take_ready(self, rows, scheds) -> None:
+        """Placement target: each row's proposal drafted with the last step, if it continues the
+        sequence as it is now (a row that was not proposed for, or whose proposal a preemption or a
+        drafter failure left behind, runs plain), cut to its draft slots and the verify budget."""
+        keep = {}
+        for s in rows:
+            got = self.ready.pop(s.seq.seq_id, None)
+            if got is not None and got[0] == len(s.seq.token_ids) and got[1].tokens:
+                s.proposal = got[1]
+                keep[id(s)] = s.num_lookahead
+        if not keep:
+            return
+        if self.planner is not None:
+            for sc in scheds:
+                self._verify_budget(sc, self.ahead_s, keep)
+        for s in rows:
             if s.proposal is not None:
                 n = keep[id(s)]
                 s.proposal = None if n == 0 else _cut(s.proposal, n)
@@ -189,6 +221,8 @@ class Speculation:
             self._free_rows += [seq.seq_id for seq in sc.preempted]
         free, self._free_rows = self._free_rows, []
         exploring = self.planner is not None and self.planner.exploring
+        if self.on_target:  # the rows the drafter on the target drafts for after this step
+            self._asked = self._to_propose(scheds, groups, exploring)
         out = []
         for gi, sc in enumerate(scheds):
             extra = {"free_context": torch.tensor(free, dtype=torch.long)} if free else {}
@@ -218,8 +252,62 @@ class Speculation:
             if self.record_rounds:
                 fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
                                                        dtype=torch.bool)
+            if self.on_target and drafts:
+                k = [self._asked.get(s.seq.seq_id, 0) for s in sc.scheduled if s.samples]
+                if any(k):
+                    fields["propose_k"] = torch.tensor(k, dtype=torch.long)
             out.append(fields)
         return out
+
+    def _to_propose(self, scheds, groups, exploring: bool) -> dict:
+        """Placement target: seq_id -> tokens to draft after this step, for the sample rows of the groups
+        that draft (all of them; while exploring, the first `explore_rows`), but rows this step ends by
+        length (they sample at least one token, and every one of them is their last)."""
+        out = {}
+        for gi, sc in enumerate(scheds):
+            g = groups[gi] if groups is not None else None
+            if g is not None and not (g.speculation_enabled and g.lookahead > 0):
+                continue
+            k = g.lookahead if g is not None else self.lookahead
+            for s in sc.scheduled:
+                p = s.seq.params
+                if (s.samples and p.speculative and s.seq.num_output_tokens + 1 < p.max_tokens
+                        and (not exploring or len(out) < self.planner.explore_rows)):
+                    out[s.seq.seq_id] = k if p.num_speculative_tokens is None else min(k, p.num_speculative_tokens)
+        return {sid: k for sid, k in out.items() if k > 0}
+
+    def collect(self, rows, out, groups) -> None:
+        """Placement target: the proposals the driver rank drafted after this step (out.draft_*, per sample
+        row of `rows`), ready for the next; a drafter failure there switches speculation off (plain
+        decoding from the next step: outputs do not change)."""
+        if out.drafter_error is not None:
+            self.drafter.stats.failures += 1
+            log.warning("%s; continuing without speculation", out.drafter_error)
+            self.drafter._drop()
+            self.ready.clear()
+            self.apply(groups)
+            return
+        if out.draft_lengths is None:
+            return
+        lengths, tokens, confs = out.draft_lengths.tolist(), out.draft_tokens, out.draft_confidences
+        counts = (tokens >= 0).sum(1).tolist()
+        n = 0
+        for i, length in enumerate(lengths):
+            if length:
+                k = counts[i]
+                self.ready[rows[i].seq.seq_id] = (length, Proposal(tokens[i, :k].tolist(), None, confs[i, :k]))
+                n += 1
+        self.ahead_s = out.draft_s
+        self.drafter.stats.draft_time_s += out.draft_s
+        if self.planner is not None and n:
+            self.planner.drafted(n, int(tokens.shape[1]), out.draft_s)
+
+    def workers_restarted(self) -> None:
+        """New target workers hold no kept rows, no drafter state: every sequence's context comes again
+        (recovery re-runs each request from its tokens)."""
+        self.stale.clear()
+        self._free_rows = []
+        self.ready.clear()
 
     # ---- after the step ------------------------------------------------------------------
     def ingest(self, outs) -> None:
@@ -270,6 +358,7 @@ class Speculation:
             for sid in ids:
                 if sid in self.stale:
                     self.stale.discard(sid)
+                self.ready.pop(sid, None)
             self._free_rows += ids
         self.drafter.free(ids, reasons, flush)
 

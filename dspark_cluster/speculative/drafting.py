@@ -159,9 +159,61 @@ class LocalDrafterGroup:
         self.proposer = None
 
 
+class TargetDrafterGroup:
+    """`speculative.placement: target`: the drafter runs on the target's driver ranks, inside their
+    step (speculative/on_target.py), and drafts for the next step there; the engine reads its proposals
+    from the step's output (`Speculation.collect`). This side holds nothing: the workers free a finished
+    sequence's state with the step's `free_context`, their memory reports carry the drafter's memory
+    (on the target's device), and a lost worker takes its drafter with it (recovery re-runs every
+    request, and with it the context)."""
+
+    names = None
+    restartable = False
+    calibrator = None
+
+    def propose(self, requests, version: int = 0):
+        raise RuntimeError("a drafter on the target drafts inside the step (StepInput.propose_k), not on request")
+
+    def prefill_async(self, requests) -> None:
+        pass  # the context comes from the target's own prefill, on its device
+
+    def ingest(self, rows) -> None:
+        pass  # never exported: the rows stay with the drafter on the target's device
+
+    def free(self, seq_ids, reasons=None) -> None:
+        pass  # the workers drop their state with the next step's free_context
+
+    def poll_candidate(self, keep):
+        return None
+
+    def drop_candidate(self, retry_after_s: float) -> None:
+        pass
+
+    def set_serving(self, version: int, available) -> None:
+        pass
+
+    def calibrator_status(self):
+        return None
+
+    def calibrator_heartbeat(self):
+        return None
+
+    def device_reports(self) -> list[dict]:
+        return []  # in the target workers' reports (drafter_weights, drafter_kv)
+
+    def comm_stats(self) -> list[dict]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
 def make_drafter_group(cfg, target_spec, device="cpu", first_version: int = 1, progress=None):
     """The drafter group `parallel.executor` names (a restarted Ray group numbers its calibrated
-    versions on from `first_version`; `progress(activity)` follows its start-up)."""
+    versions on from `first_version`; `progress(activity)` follows its start-up), or the target's
+    own driver ranks (speculative.placement target)."""
+    if cfg.speculative.on_target:
+        return TargetDrafterGroup()
     if cfg.parallel.executor == "local":
         return LocalDrafterGroup(cfg, target_spec, device)
     return backend(cfg.parallel.executor).DrafterGroup(cfg, target_spec, first_version=first_version,

@@ -178,7 +178,7 @@ class DSparkProposer:
     def ready(self, r) -> bool:
         """Whether the context for this request's block is in (every token but the anchor)."""
         st = self.ctx.get(r.seq_id)
-        return st is not None and not st.lost and st.length >= len(r.token_ids) - 1
+        return st is not None and not st.lost and st.length >= r.length - 1
 
     def waiting_for(self, requests) -> list:
         """Requests whose context may still arrive (not lost, not there yet)."""
@@ -251,11 +251,11 @@ class DSparkProposer:
         m, dev, S = self.model, self.device, self.c.block_size
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
-        lens = [len(r.token_ids) - 1 for r in requests]  # context length = the anchor's position
+        lens = [r.length - 1 for r in requests]  # context length = the anchor's position
         los = [max(0, n - self.window) for n in lens]  # the window: context rows lo .. len - 1
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
-        x = m.block_input(torch.tensor([r.token_ids[-1] for r in requests], device=dev), S)
+        x = m.block_input(torch.tensor([r.anchor for r in requests], device=dev), S)
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         mask = None
         if min(widths) != C:  # padded context: hide the padding
@@ -278,24 +278,47 @@ class DSparkProposer:
     @torch.inference_mode()
     def propose(self, requests) -> list[Proposal]:
         out = [Proposal([]) for _ in requests]
+        active, drafted = self.draft(requests)
+        if not active:
+            return out
+        tokens, confs, laws = drafted
+        tokens, confs = tokens.cpu(), confs.float().cpu()
+        # the law of the sampled rows only (a greedy row's verification reads its tokens alone), one
+        # tensor per proposal: a view of the batch's would take the whole batch's law onto the wire
+        sampled = [b for b, i in enumerate(active) if requests[i].temperature > 0]
+        law_of = {}
+        if sampled and laws is not None:
+            kept = laws[torch.tensor(sampled, device=laws.device)].cpu()
+            law_of = {b: kept[j, : requests[active[b]].k].clone() for j, b in enumerate(sampled)}
+        for b, i in enumerate(active):
+            k = requests[i].k
+            out[i] = Proposal(tokens[b, :k].tolist(), law_of.get(b), confs[b, :k].clone())
+        return out
+
+    @torch.inference_mode()
+    def draft(self, requests) -> tuple[list[int], tuple]:
+        """The drafting itself, left on the device: (indices of the requests drafted for (k > 0, context
+        in), (tokens [B, K] long, raw confidences [B, K], draft laws [B, K, V] or None when every row is
+        greedy and a confidence head gives the confidences)); K = the most any request asks for."""
         self._proposals += 1
         if self._proposals % 8 == 1:  # the context's peak, for the cost ledger (a sum over every sequence)
             self.peak_context_bytes = max(self.peak_context_bytes, self._context_bytes())
-        active = [(i, r) for i, r in enumerate(requests) if r.k > 0 and self.ready(r)]
+        active = [i for i, r in enumerate(requests) if r.k > 0 and self.ready(r)]
         self.misses += sum(1 for r in requests if r.k > 0 and not self.ready(r))
         if not active:
-            return out
+            return [], ()
+        reqs = [requests[i] for i in active]
         m, dev = self.model, self.device
-        hn, base = self.block_forward([r for _, r in active])
+        hn, base = self.block_forward(reqs)
         w1, w2 = m.markov_factors()
-        temp = torch.tensor([r.temperature for _, r in active], device=dev)
-        top_k = torch.tensor([r.top_k for _, r in active], device=dev)
-        top_p = torch.tensor([r.top_p for _, r in active], device=dev)
-        K = max(r.k for _, r in active)
+        temp = torch.tensor([r.temperature for r in reqs], device=dev)
+        top_k = torch.tensor([r.top_k for r in reqs], device=dev)
+        top_p = torch.tensor([r.top_p for r in reqs], device=dev)
+        K = max(r.k for r in reqs)
         B, V = base.shape[0], base.shape[-1]
-        greedy = bool((temp == 0).all())
-        seeds = [r.seed for _, r in active]  # seeded rows draw slot i's token by its position
-        prev = torch.tensor([r.token_ids[-1] for _, r in active], device=dev)
+        greedy = all(r.temperature == 0 for r in reqs)
+        seeds = [r.seed for r in reqs]  # seeded rows draw slot i's token by its position
+        prev = torch.tensor([r.anchor for r in reqs], device=dev)
         tokens, zs, laws, es = [], [], [], []
         for i in range(K):  # left to right through the Markov head only (the backbone ran once)
             e, bias = m.markov_bias(prev, w1, w2)
@@ -304,7 +327,7 @@ class DSparkProposer:
                 tok = z.argmax(-1)
             else:
                 law = filter_logits(z, temp, top_k, top_p).softmax(-1)
-                raced = race_sample(law, seeds, [r.position + i for _, r in active], DRAFT)
+                raced = race_sample(law, seeds, [r.position + i for r in reqs], DRAFT)
                 tok = torch.where(temp == 0, z.argmax(-1), raced)
                 laws.append(law)
             tokens.append(tok)
@@ -324,14 +347,4 @@ class DSparkProposer:
             laws = torch.stack(laws, 1)
         # without a confidence head: the draft law's top probability (never the drafted token's own)
         confs = torch.sigmoid(conf) if conf is not None else laws.max(-1).values
-        tokens, confs = tokens.cpu(), confs.float().cpu()
-        # the law of the sampled rows only (a greedy row's verification reads its tokens alone), one
-        # tensor per proposal: a view of the batch's would take the whole batch's law onto the wire
-        sampled = [b for b, (_, r) in enumerate(active) if r.temperature > 0]
-        law_of = {}
-        if sampled and laws is not None:
-            kept = laws[torch.tensor(sampled, device=laws.device)].cpu()
-            law_of = {b: kept[j, : active[b][1].k].clone() for j, b in enumerate(sampled)}
-        for b, (i, r) in enumerate(active):
-            out[i] = Proposal(tokens[b, : r.k].tolist(), law_of.get(b), confs[b, : r.k].clone())
-        return out
+        return active, (tokens, confs, laws)

@@ -39,6 +39,15 @@ class DraftRequest:
     position: int = 0  # output index of the first drafted token (for seeding)
     start: int = 0  # index in the sequence of token_ids[0]
 
+    @property
+    def length(self) -> int:
+        """The sequence's tokens (committed so far: the last is the anchor a block drafts after)."""
+        return self.start + len(self.token_ids)
+
+    @property
+    def anchor(self) -> int:
+        return self.token_ids[-1]
+
 
 class DraftHistoryError(RuntimeError):
     """A request continues a sequence from past what the drafter holds of it (its history was lost)."""

@@ -48,6 +48,10 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     # greedy: longest prefix matching the target's argmax
     argmax = target_logits.argmax(dim=-1)  # [S, K+1]
     accept_greedy = (drafts == argmax[:, :K]) & valid
+    rows = torch.arange(S, device=device)
+    if bool(greedy.all()):  # (as `sample`): no law to build and nothing to draw, the common case
+        num_accepted = accept_greedy.long().cumprod(dim=1).sum(dim=1)
+        return _with_next(drafts, rows, num_accepted, argmax[rows, num_accepted]), num_accepted + 1
 
     # sampled: accept d_i with probability min(1, p/q)
     rep = lambda t: t.repeat_interleave(K1)  # noqa: E731
@@ -68,7 +72,6 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # leading accepts [S]
 
     # the token after the accepted prefix: argmax (greedy), residual (rejection) or bonus (all accepted)
-    rows = torch.arange(S, device=device)
     p_next = p[rows, num_accepted]  # [S, V]
     rejected = num_accepted < num_draft
     q_next = torch.zeros_like(p_next)
@@ -86,10 +89,14 @@ def verify(target_logits, draft_tokens, num_draft, draft_probs, temperature, top
     next_pos = [pos + acc for pos, acc in zip(pos_of, accepted_of)]
     sampled_next = race_sample(law, seed_of, next_pos, RESIDUAL)
     next_token = torch.where(greedy, argmax[rows, num_accepted], sampled_next)
+    return _with_next(drafts, rows, num_accepted, next_token), num_accepted + 1
 
-    tokens = torch.cat([drafts, torch.zeros(S, 1, dtype=torch.long, device=device)], dim=1)
+
+def _with_next(drafts, rows, num_accepted, next_token) -> torch.Tensor:
+    """[S, K+1]: each row's drafts with the target's token after its accepted prefix."""
+    tokens = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
     tokens[rows, num_accepted] = next_token
-    return tokens, num_accepted + 1
+    return tokens
 
 
 def _full_precision(q: torch.Tensor) -> torch.Tensor:

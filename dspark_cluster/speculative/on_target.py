@@ -1,0 +1,137 @@
+"""A DSpark drafter on the target's driver rank (`speculative.placement: target`).
+
+The drafter lives beside the target's shard on its device, in the worker's process (each data-parallel
+group's TP rank 0, the rank that verifies). In one step call the worker runs the target's forward,
+verifies the drafts proposed for this step, hands the committed tokens' states to the drafter (no
+export: they never leave the device) and drafts for the next step, so a speculative step costs the
+engine one round to the workers, as plain decoding does, and a drafter round trip never waits between
+two steps (vLLM drafts in its model runner the same way). What crosses back is small: per sample row
+the draft tokens, their raw confidences and the sequence length each proposal continues. The draft law
+of a sampled row stays here until the next step verifies it (`laws`); a greedy row needs none.
+
+A drafter failure never fails the target's step: the drafter is dropped, the step's output says so
+once (`StepOutput.drafter_error`) and the engine goes on without speculation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from .dspark_proposer import DSparkProposer
+from .proposers import DraftRequest
+
+log = logging.getLogger(__name__)
+
+
+class TargetDrafter:
+    def __init__(self, draft_model: str, target_path: str, target_spec, device, num_tokens: int, context_window):
+        self.proposer: Optional[DSparkProposer] = DSparkProposer(draft_model, target_path, target_spec, device,
+                                                                 num_tokens, context_window=context_window)
+        # seq_id -> (sequence length the proposal continues, its tokens [k] (host), its draft law [k, V] (a
+        # view of its batch's on the device)), for the sampled rows' latest proposals
+        self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.error: Optional[str] = None  # a failure not yet reported
+        self.num_proposed = 0  # rows drafted for, since start
+
+    @property
+    def alive(self) -> bool:
+        return self.proposer is not None
+
+    def _fail(self, what: str, e: Exception) -> None:
+        log.warning("the drafter on the target failed to %s (%s: %s); the engine goes on without speculation",
+                    what, type(e).__name__, e)
+        self.error = f"the drafter on the target failed to {what}: {type(e).__name__}: {e}"
+        self.proposer, self.laws = None, {}
+
+    def verify_laws(self, seq_ids: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor,
+                    lengths: torch.Tensor, sampled_rows: torch.Tensor) -> tuple:
+        """The draft laws of this step's sampled rows that verify drafts: (probs [R, K, V], rows [R]) for
+        `verify`, or (None, None) when there are none. seq_ids, lengths (the sequence length each row's
+        drafts continue) [S], draft_tokens [S, K], num_draft [S]; sampled_rows [R] (into S). A law this
+        rank does not hold for the tokens the engine sent is an engine fault: raised, never guessed."""
+        if sampled_rows.numel() == 0:
+            return None, None
+        K = draft_tokens.shape[1]
+        laws = []
+        for r in sampled_rows.tolist():
+            sid, n, want = int(seq_ids[r]), int(num_draft[r]), int(lengths[r])
+            held = self.laws.get(sid)
+            if held is None or held[0] != want or not torch.equal(held[1][:n], draft_tokens[r, :n]):
+                raise RuntimeError(f"sequence {sid}: the step verifies drafts at length {want} whose draft law this "
+                                   f"rank does not hold (held: {None if held is None else held[0]})")
+            law = held[2][:K]
+            if law.shape[0] < K:  # (rows past num_draft are never read)
+                law = torch.cat([law, law.new_zeros(K - law.shape[0], law.shape[1])])
+            laws.append(law)
+        return torch.stack(laws), sampled_rows
+
+    def ingest(self, rows) -> None:
+        if self.proposer is None or rows is None or not rows.counts.numel():
+            return
+        try:
+            self.proposer.ingest(rows)
+        except Exception as e:  # noqa: BLE001 -- the target's step goes on
+            self._fail("take context rows", e)
+
+    def free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.laws.pop(sid, None)
+        if self.proposer is not None:
+            try:
+                self.proposer.free(seq_ids)
+            except Exception as e:  # noqa: BLE001
+                self._fail("free sequences", e)
+
+    def propose(self, propose_k, seq_ids, lengths, anchors, temperature, top_k, top_p, seeds, positions) -> dict:
+        """Draft for the next step: every argument is [S] over this step's sample rows (propose_k: the most
+        tokens to draft, 0 for none; lengths: each sequence's tokens now, anchors: its last). Returns the
+        StepOutput fields (draft_tokens [S, K] with -1 past each row's, draft_confidences [S, K],
+        draft_lengths [S] with 0 where nothing was drafted, draft_s), or {} when nothing was asked."""
+        rows = torch.nonzero(propose_k > 0).flatten().tolist()
+        if self.proposer is None or not rows:
+            return {}
+        t0 = time.perf_counter()
+        reqs = [DraftRequest(int(seq_ids[r]), [int(anchors[r])], int(propose_k[r]), float(temperature[r]),
+                             int(top_k[r]), float(top_p[r]), int(seeds[r]), int(positions[r]), int(lengths[r]) - 1)
+                for r in rows]
+        try:
+            active, drafted = self.proposer.draft(reqs)
+        except Exception as e:  # noqa: BLE001
+            self._fail("draft", e)
+            return {}
+        S, K = propose_k.shape[0], int(propose_k.max())
+        out_tokens = torch.full((S, K), -1, dtype=torch.long)
+        out_conf = torch.full((S, K), float("nan"))
+        out_len = torch.zeros(S, dtype=torch.long)
+        if active:
+            tokens, confs, laws = drafted
+            tokens, confs = tokens.cpu(), confs.float().cpu()
+            for b, i in enumerate(active):
+                r, req = rows[i], reqs[i]
+                out_tokens[r, : req.k] = tokens[b, : req.k]
+                out_conf[r, : req.k] = confs[b, : req.k]
+                out_len[r] = req.length
+                if req.temperature > 0:
+                    self.laws[req.seq_id] = (req.length, tokens[b, : req.k], laws[b, : req.k])
+                else:
+                    self.laws.pop(req.seq_id, None)
+            self.num_proposed += len(active)
+        return {"draft_tokens": out_tokens, "draft_confidences": out_conf, "draft_lengths": out_len,
+                "draft_s": time.perf_counter() - t0}
+
+    def take_error(self) -> Optional[str]:
+        err, self.error = self.error, None
+        return err
+
+    def memory_report(self) -> dict:
+        if self.proposer is None:
+            return {}
+        r = self.proposer.memory_report()
+        laws = sum(law.numel() * law.element_size() for _, _, law in self.laws.values())
+        return {"drafter_param_bytes": r["param_bytes"], "drafter_kv_bytes": r["kv_bytes"] + laws,
+                "drafter_rows_proposed": self.num_proposed, "drafter_misses": self.proposer.misses,
+                "drafter_resyncs": self.proposer.resyncs}

@@ -1,0 +1,224 @@
+"""The confidence schedule through Ray (issue 28): DSpark and draft_model against plain decoding.
+
+    python launch/bench_schedule_ray.py [--drafters dspark,draft_model] [--batches 1,8,32,64] [--k 6]
+        [--poisson 0.5,1.25] [--poisson-requests 96] [--max-tokens 64] [--repeats 2] [--threads 1]
+        [--placement auto|target|group] [--out FILE]
+    python launch/bench_schedule_ray.py --batches 1,8 --poisson "" --repeats 1 --max-tokens 16   # smoke test
+
+The policies of launch/bench_schedule.py's confidence rows, each one engine on `executor: ray` (a Router
+actor, one ShardWorker and, for speculation, one drafter actor, unless the drafter runs on the target:
+`--placement`, offered where the config has `speculative.placement`), all started at once in one
+private Ray instance and kept warm: plain decoding, and per drafter `schedule: confidence` with
+num_tokens = --k (tiny-moe float32, max_num_seqs 64, --threads torch threads per actor). The policies
+are interleaved within each load (their order rotated per repeat), so each ratio to plain comes from
+the same minutes:
+
+1. all at once: B held-out prompts submitted together through `LLM.generate` (the Router's client:
+   one call, all in the same first step), greedy, --max-tokens each (ignore_eos); output tokens/s as
+   the driver sees it, best of --repeats.
+2. Poisson arrivals at --poisson x saturation, where saturation is plain decoding's request rate at the
+   largest batch (the all-at-once figure); --poisson-requests requests, once per policy, replayed by
+   the Router itself (`Router.run_workload`: `dspark run`'s path on Ray); output tokens/s over the run
+   and TPOT p50.
+
+Per policy and load, from the Router's stats over the measured runs (the difference of its counters):
+tau (tokens per verify round), verify rounds, draft positions drafted and verified, steps, and the
+Router's time in drafter calls per step. From a run's step records (`Router.run_workload`'s report: the
+Poisson run itself; for all at once one more run of the same requests, submitted one by one at time 0,
+not timed), the mean step split in ms per step: step, execute (submit + wait for the workers' round),
+forward (the driver rank's own), wire (pickling the round), worker (the driver rank's time in its step
+call), between (a worker's time from one output to the next input, each run's first step left out),
+host (step - execute: the Router's scheduling, drafting and processing), and the DSpark context rows
+exported to the drafter (kB per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from actors.cluster import num_actors, ray_get  # noqa: E402
+from dspark_cluster import LLM, SamplingParams  # noqa: E402
+from dspark_cluster.config import SpeculativeConfig, WorkloadConfig, load_config  # noqa: E402
+from dspark_cluster.report import loadavg, machine_info, summarize  # noqa: E402
+from dspark_cluster.workload import DEFAULT_PROMPTS, make_workload, read_prompts  # noqa: E402
+from launch.bench_schedule import config as local_config, timed  # noqa: E402
+
+HAS_PLACEMENT = "placement" in SpeculativeConfig.model_fields  # (being added to the config: offered when there)
+SPLIT = {"step": "step_time_s", "execute": "execute_s", "forward": "forward_s", "wire": "wire_s",
+         "worker": "worker_s", "between": "worker_between_s"}
+
+
+def config(args, method=None) -> dict:
+    """bench_schedule's engine config (the confidence schedule at k = --k), on Ray."""
+    cfg = local_config(args, method, args.k, "confidence")
+    cfg["parallel"] = {"executor": "ray", "threads_per_worker": args.threads}
+    if method is not None and getattr(args, "placement", None):
+        cfg["speculative"]["placement"] = args.placement
+    return cfg
+
+
+def requests(n: int, rate: float, max_tokens: int) -> list:
+    """n held-out prompts, greedy, max_tokens each; Poisson arrivals at `rate` (0: all at time 0)."""
+    return make_workload(WorkloadConfig(kind="prompts", num_requests=n, request_rate=rate,
+                                        output_len=[max_tokens, max_tokens]), 0)
+
+
+class Engine:
+    """One policy's warm engine behind its Router, and the Router's counters."""
+
+    def __init__(self, cfg: dict):
+        before = _drafter_actors()
+        self.llm = LLM(config=cfg)
+        self.drafter_actors = len(_drafter_actors() - before)
+        sp = self.llm.config.speculative
+        self.placement = "none" if not sp.enabled else "target" if getattr(sp, "on_target", False) else "group"
+
+    def counters(self) -> dict:
+        """Since the engine started, from the Router's stats: steps, verify rounds and their tokens,
+        draft positions drafted and verified, the Router's seconds in drafter calls."""
+        s = ray_get(self.llm.router.stats.remote())
+        sp = s["speculative"] or {}
+        rounds = sp.get("verify_rounds", 0)
+        return {"steps": s["steps"], "verify_rounds": rounds,
+                "tokens": rounds * sp["mean_accepted_length"] if rounds else 0.0,
+                "drafted": sp.get("num_drafted_positions", 0), "verified": sp.get("num_draft_tokens", 0),
+                "draft_s": sp.get("draft_time_s", 0.0)}
+
+    def run(self, reqs) -> dict:
+        """The Router replays `reqs` at their arrival offsets (Router.run_workload, as `dspark run` on
+        Ray): its run report, summarized, with the run's step records."""
+        raw = ray_get(self.llm.router.run_workload.remote(reqs))
+        s = summarize(raw["requests"], raw["steps"], raw["duration_s"], raw["kv_blocks_total"], raw["preemptions"])
+        return {**s, "step_records": raw["steps"]}
+
+
+def _drafter_actors() -> set:
+    return {n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-")}
+
+
+def figures(before: dict, after: dict, steps: list) -> dict:
+    """A policy's figures at one load: the Router's counters over the measured runs (after - before),
+    and the mean step split (ms per step) of one run's step records (between leaves out the first
+    step, whose gap is the idle time before the run)."""
+    d = {k: after[k] - before[k] for k in before}
+    out = {"tau": d["tokens"] / d["verify_rounds"] if d["verify_rounds"] else float("nan"),
+           **{k: d[k] for k in ("verify_rounds", "drafted", "verified", "steps")}}
+    n = max(1, len(steps))
+    ms = {k: 1e3 * sum(s[f] for s in steps) / n for k, f in SPLIT.items()}
+    ms["between"] = 1e3 * sum(s["worker_between_s"] for s in steps[1:]) / max(1, len(steps) - 1)
+    ms["host"] = ms["step"] - ms["execute"]
+    ms["draft"] = 1e3 * d["draft_s"] / max(1, d["steps"])
+    out["split_steps"], out["mean_batch"] = len(steps), sum(s["num_seqs"] for s in steps) / n
+    out["ms_per_step"] = {k: round(v, 3) for k, v in ms.items()}
+    out["export_kb_per_step"] = sum(s["export_bytes"] for s in steps) / n / 1e3
+    return out
+
+
+def line(label: str, row: dict) -> str:
+    plain = row["plain"]["tok_s"]
+    rest = " | ".join(f"{n} {v['tok_s'] / plain:.2f}x (tau {v['tau']:.2f}, drafted {v['drafted']}, "
+                      f"verified {v['verified']})" for n, v in row.items() if n != "plain")
+    return f"{label}: plain {plain:.0f} tok/s | {rest}"
+
+
+def split_table(results: dict) -> list[str]:
+    keys = list(SPLIT) + ["host", "draft"]
+    out = ["step split (ms per step; export kB per step): load, policy: steps, mean batch, " + " ".join(keys)
+           + " export"]
+    for kind, loads in results.items():
+        for load, row in loads.items():
+            for name, v in row.items():
+                if isinstance(v, dict):
+                    ms = " ".join(f"{v['ms_per_step'][k]:.2f}" for k in keys)
+                    out.append(f"  {kind} {load}, {name}: {v['split_steps']} steps, batch {v['mean_batch']:.1f}, {ms} "
+                               f"{v['export_kb_per_step']:.1f}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", default="dspark,draft_model")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--poisson", default="0.5,1.25")
+    ap.add_argument("--poisson-requests", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker and drafter actor")
+    if HAS_PLACEMENT:
+        ap.add_argument("--placement", choices=["auto", "target", "group"], default=None,
+                        help="speculative.placement of the drafters (default: the config's)")
+    ap.add_argument("--out", default=None, help="results as JSON")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # this process only submits and reads
+    drafters = [d for d in args.drafters.split(",") if d]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    fractions = [float(x) for x in args.poisson.split(",") if x]
+    cfgs = {"plain": config(args), **{f"{d} confidence": config(args, d) for d in drafters}}
+    # every engine's actors at once: a worker (1 CPU) each, a drafter (1 CPU) per speculative one
+    cpus = sum(num_actors(load_config(c)) for c in cfgs.values()) + 1
+    ray.init(address="local", num_cpus=cpus, log_to_driver=False)
+    held_out = read_prompts(DEFAULT_PROMPTS)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    results = {"all_at_once": {}, "poisson": {}}
+    meta = {"args": vars(args), "machine": machine_info(), "ray_cpus": cpus, "loadavg_start": loadavg(),
+            "engines": {}}
+    print(f"{meta['machine']}; Ray {cpus} CPUs; load {meta['loadavg_start']}; tiny-moe, confidence up to "
+          f"k={args.k}, {args.max_tokens} tokens per request, threads {args.threads}", flush=True)
+    engines: dict[str, Engine] = {}
+    try:
+        for name, cfg in cfgs.items():
+            t0 = time.perf_counter()
+            e = engines[name] = Engine(cfg)
+            timed(e.llm, held_out[:8], params)  # warm-up (and history for the confidence planners)
+            meta["engines"][name] = {"placement": e.placement, "drafter_actors": e.drafter_actors}
+            print(f"{name}: drafter placement {e.placement}, {e.drafter_actors} drafter actor(s), "
+                  f"started and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
+        names = list(engines)
+        for b in batches:
+            prompts = [held_out[i % len(held_out)] for i in range(b)]
+            best, before = dict.fromkeys(names, 0.0), {n: engines[n].counters() for n in names}
+            for rep in range(args.repeats):  # (the policies' order rotated per repeat)
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    best[name] = max(best[name], timed(engines[name].llm, prompts, params))
+            after = {n: engines[n].counters() for n in names}
+            profile = {n: engines[n].run(requests(b, 0.0, args.max_tokens))["step_records"] for n in names}
+            row = {n: {"tok_s": best[n], **figures(before[n], after[n], profile[n])} for n in names}
+            results["all_at_once"][b] = row
+            print(line(f"batch {b:3d}", row), flush=True)
+        sat = results["all_at_once"][max(batches)]["plain"]["tok_s"] / args.max_tokens if batches else 0.0
+        for f in fractions:
+            if not sat:
+                raise SystemExit("--poisson needs --batches (saturation is plain's rate at the largest batch)")
+            reqs, row = requests(args.poisson_requests, f * sat, args.max_tokens), {}
+            for n in names:
+                c0 = engines[n].counters()
+                r = engines[n].run(reqs)
+                row[n] = {"tok_s": r["output_tokens_per_s"], "tpot_p50_ms": 1e3 * r["tpot_p50_s"],
+                          **figures(c0, engines[n].counters(), r["step_records"])}
+            results["poisson"][f] = {"rate_req_s": f * sat, **row}
+            print(line(f"poisson {f}x saturation ({f * sat:.1f} req/s), TPOT p50 plain "
+                       f"{row['plain']['tpot_p50_ms']:.1f} ms", row), flush=True)
+    finally:
+        for e in engines.values():
+            e.llm.shutdown()
+        ray.shutdown()
+    meta["loadavg_end"] = loadavg()
+    print("\n".join(split_table(results)), f"\nload average at the end: {meta['loadavg_end']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({**meta, **results}, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The DSpark drafter on the target's driver rank (`speculative.placement: target`, the default for DSpark
+without online calibration): it drafts for the next step inside the step call, so nothing of the drafter
+crosses a process boundary but the proposals' tokens and confidences; a sampled row's draft law stays on
+the rank that verifies it. Outputs never change: greedy is token-identical to plain decoding in process
+and through Ray (tensor 2, data 2, the run-time switch, a lost worker), sampling keeps the target's law
+(tests/test_dspark.py, tests/test_idle_drafter.py run those with both placements), and a drafter failure
+on the target degrades to plain decoding."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
+
+from conftest import build_dspark, dspark_proposer, random_prompts
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def target_config(draft, k=4, schedule="static", **parallel):
+    return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
+            "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": schedule,
+                            "placement": "target"}}
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return checkpoint("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory):
+    return build_dspark(target, tmp_path_factory.mktemp("dspark-on-target"), layers=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([5, 17, 9, 3, 12], seed=51)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    return [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
+
+
+def test_placement_resolves_and_is_checked(drafter):
+    spec = lambda **kw: {"speculative": {"method": "dspark", "draft_model": str(drafter), **kw}}  # noqa: E731
+    assert load_config(spec()).speculative.on_target  # auto: DSpark without online calibration
+    assert not load_config(spec(placement="group")).speculative.on_target
+    assert not load_config(spec(calibration={"enabled": True})).speculative.on_target
+    assert not load_config({"speculative": {"method": "ngram"}}).speculative.on_target
+    with pytest.raises(ConfigError, match="speculative.*placement: got .target. with method .draft_model.*use method dspark"):
+        load_config({"speculative": {"method": "draft_model", "draft_model": "tiny-draft", "placement": "target"}})
+    with pytest.raises(ConfigError, match="speculative.*placement: got .target. with calibration.enabled"):
+        load_config(spec(placement="target", calibration={"enabled": True}))
+
+
+def test_nothing_of_the_drafter_crosses_but_tokens_and_confidences(target, drafter, prompts, plain):
+    """Sampled rows verify against the law the driver rank kept (no draft law in any StepInput), no
+    context rows leave the worker, and the proposals come back with the step that drafted them."""
+    llm = LLM(target, config=target_config(drafter))
+    ex = llm.engine.executor
+    inputs, outputs, submit = [], [], ex.submit
+
+    def spy(step):
+        inputs.append(step)
+        out = submit(step)
+        outputs.append(out)
+        return out
+
+    ex.submit = spy
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True))
+    drafting = [s for s in inputs if s.num_draft is not None and bool((s.num_draft > 0).any())]
+    assert drafting and all(s.draft_probs is None for s in inputs)
+    assert any(o.draft_lengths is not None and bool((o.draft_lengths > 0).any()) for o in outputs)
+    assert all(o.context is None and o.export_bytes == 0 for o in outputs)
+    assert sum(o.metrics["num_draft_tokens"] for o in sampled) > 0
+    assert llm.engine.speculation.drafter.stats.failures == 0
+    # greedy as plain decoding; the drafter's memory is counted on the target's device
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    by_kind = llm.engine.cost_ledger()["memory"]["by_kind"]
+    assert by_kind["drafter_weights"] > 0 and by_kind.get("context_stash", 0) >= 0
+    # a finished sequence's drafter state goes with the next step (StepInput.free_context): only the last
+    # call's sequences are held once another call has run
+    before = set(dspark_proposer(llm).ctx)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert before and not before & set(dspark_proposer(llm).ctx) and len(dspark_proposer(llm).ctx) <= 1
+
+
+@pytest.mark.parametrize("fails_in", ["draft", "ingest"])
+def test_a_drafter_failure_on_the_target_degrades_to_plain_decoding(fails_in, target, drafter, prompts, plain):
+    llm = LLM(target, config=target_config(drafter, schedule="confidence"))
+    proposer = dspark_proposer(llm)
+    inner, calls = getattr(proposer, fails_in), [0]
+
+    def flaky(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected drafter fault")
+        return inner(*args)
+
+    setattr(proposer, fails_in, flaky)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain  # nothing lost, nothing changed
+    eng = llm.engine
+    assert eng.drafter.stats.failures == 1 and not eng.drafter.alive
+    assert not any(g.speculation_enabled for g in eng.schedulers)
+    assert eng.executor.worker.drafter.proposer is None  # the worker dropped it
+    assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == plain[:2]  # and goes on plainly
+
+
+def test_through_ray_one_round_a_step_and_no_drafter_process(target, drafter, prompts, plain, ray_cluster):
+    """Tensor 2, the confidence schedule: outputs as plain decoding's, also across stretches with the
+    run-time switch off (the workers keep the rows meanwhile); no drafter actor exists, the drafter's
+    memory is on the driver rank's device, no hidden states are exported, and each step is one round to
+    the workers (the step's execute time is all of the engine's wait)."""
+    import ray
+
+    llm = LLM(target, config=target_config(drafter, k=4, schedule="static", executor="ray", tensor=2))
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+        assert not [n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-")]
+        ray.get(llm.router.set_speculation.remote(False))
+        half = llm.generate(prompts, GREEDY)
+        ray.get(llm.router.set_speculation.remote(True))
+        again = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in half] == [o.token_ids for o in again] == plain
+        assert sum(o.metrics["num_draft_tokens"] for o in half) == 0 < sum(o.metrics["num_draft_tokens"] for o in again)
+        stats = ray.get(llm.router.stats.remote())
+        live = stats["cost"]
+        assert {r: v["devices"] for r, v in live["roles"].items()} == {"target": 2, "router": 1}
+        assert live["comm_bytes"]["hidden_state_export"] == 0
+        drafter_bytes = [d["drafter_weights"] for d in live["memory"]["per_device"] if d["role"] == "target"]
+        assert sorted(drafter_bytes)[0] == 0 < sorted(drafter_bytes)[1]  # on the driver rank only
+        assert stats["speculative"]["drafter_failures"] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_data_parallel_groups_each_draft_on_their_driver_rank(target, drafter, prompts, plain, ray_cluster):
+    llm = LLM(target, config=target_config(drafter, executor="ray", tensor=1, data=2))
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        assert all(o.metrics["num_draft_tokens"] > 0 for o in outs if len(o.token_ids) > 2)
+    finally:
+        llm.shutdown()
+
+
+def test_kill_9_of_the_worker_that_hosts_the_drafter_loses_nothing(target, drafter, prompts, plain, ray_cluster):
+    """The drafter's state dies with its worker: the Router restarts the workers, re-runs the requests
+    in flight, and drafting resumes on the new driver rank; outputs are plain decoding's."""
+    import ray
+    from ray.util.state import list_actors
+
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
+    llm = LLM(target, config=target_config(drafter, executor="ray"))
+    try:
+        pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+        ref = llm.router.generate.remote(prompts, [params] * len(prompts))
+        deadline = time.monotonic() + 60
+        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        assert [o.token_ids for o in ray.get(ref, timeout=300)] == base
+        stats = ray.get(llm.router.stats.remote())
+        assert stats["restarts"] == 1 and stats["state"] == "ok"
+        again = llm.generate(prompts[:2], params)
+        assert [o.token_ids for o in again] == base[:2] and all(o.metrics["num_draft_tokens"] > 0 for o in again)
+    finally:
+        llm.shutdown()
