@@ -103,7 +103,7 @@ def check_resources(cfg: Config, ray) -> str:
         raise ConfigError(
             f"parallel.tensor: got {tp}; no node has {tp} {key} devices to keep a TP group on one node"
         )
-    if cfg.speculative.enabled:  # the drafter group too, before any actor starts
+    if cfg.speculative.enabled and not cfg.speculative.on_target:  # the drafter group too, before any actor starts
         from .drafter_group import check_drafter_resources
 
         check_drafter_resources(cfg, ray)
@@ -111,8 +111,10 @@ def check_resources(cfg: Config, ray) -> str:
 
 
 def num_actors(cfg: Config) -> int:
-    """Devices this config's actors take: the target's world, plus the drafter group's."""
-    return cfg.parallel.world_size + (cfg.speculative.draft_workers if cfg.speculative.enabled else 0)
+    """Devices this config's actors take: the target's world, plus the drafter group's (none when the
+    drafter runs on the target's driver ranks)."""
+    group = cfg.speculative.enabled and not cfg.speculative.on_target
+    return cfg.parallel.world_size + (cfg.speculative.draft_workers if group else 0)
 
 
 def input_slots(world: int, tp: int) -> list[int]:
