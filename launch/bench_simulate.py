@@ -5,6 +5,7 @@
     python launch/bench_simulate.py deepseek-prefill              ... and its prefill figure (EP32, cache hits)
     python launch/bench_simulate.py study-eplb [--ep 32]          what redundant experts buy under Zipf loads
     python launch/bench_simulate.py study-spec                    speculation over concurrency on 2 x H200
+    python launch/bench_simulate.py study-cost                    cost per million output tokens by topology
     python launch/bench_simulate.py aic                           the point compared with AIConfigurator
     python launch/bench_simulate.py fit-cpu [--write]             the catalog's "cpu" entry, fitted here
     python launch/bench_simulate.py validate-cpu [--fit --write]  simulated vs real `dspark run` here (fitted
@@ -264,6 +265,49 @@ def cmd_study_spec(args) -> None:
               f"{1e3 * row['confidence']['tpot_p50_s']:.2f} | {100 * ver:.0f}% |", flush=True)
 
 
+def cmd_study_cost(args) -> None:
+    """Cost per million output tokens by topology, from the simulated run's cost ledger (every target
+    device held for the run at the config's example price, `cost.price_per_device_hour.gpu`, 2.5 an
+    hour unless set: scale the column by your price / 2.5). DeepSeek-V3 decode (decode-only nodes as in
+    `deepseek`: fp8, no micro-batch overlap, 32 redundant experts placed for the expected load, Zipf 0.5,
+    `--seqs` sequences a GPU, prompts ~U(3950, 5950) whose KV arrives from prefill nodes, outputs 60-70)
+    at EP 16..144 on H800 and H200; Qwen3-30B-A3B (bf16, configs/qwen3-30b-a3b-*gpu.yaml's topologies,
+    synthetic prompts 512-1024, outputs 128-512, `--qwen-requests` requests) on one and two H200s."""
+    from dspark_cluster import load_config
+    from dspark_cluster.simulate import SimOptions, simulate
+
+    tmp = Path(tempfile.mkdtemp())
+    print(f"price per GPU-hour: {load_config(None, []).cost.price_per_device_hour.gpu} (the config's example)")
+    print("| model | hardware | topology | GPUs | peak rows per GPU | preemptions | output tok/s per GPU | "
+          "TPOT p50 ms | cost per M output tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def row(model, hw, topo, r):
+        s, c = r["summary"], r["cost"]
+        peak = max(x["num_seqs"] for x in r["steps"]) / s["devices"]  # the KV pool may hold fewer than asked
+        print(f"| {model} | {hw} | {topo} | {s['devices']} | {peak:.0f} | {s['preemptions']} | "
+              f"{s['output_tokens_per_s_per_device']:.0f} | {1e3 * s['tpot_p50_s']:.1f} | "
+              f"{c['cost_per_million_output_tokens']:.3g} |", flush=True)
+
+    for hw in args.hardware:
+        for ep in args.ep:
+            n = args.seqs * ep
+            trace = write_trace(tmp / f"d{ep}.jsonl", n, (3950, 5950), (60, 70), seed=6)
+            raw = ep144_decode_config(str(tmp), max_num_seqs=args.seqs, batched=args.seqs * 6000, data=ep)
+            if 8 % -(-ep // 8):  # DeepSeek-V3's 8 expert groups do not split evenly over the nodes: global
+                raw["eplb"]["policy"] = "global"
+            opts = SimOptions(hardware=hw, precision="fp8", overlap=False, role="decode", host="per_group",
+                              trace=str(trace), expert_load={"skew": 0.5}, eplb_initial="balanced")
+            row("DeepSeek-V3 decode", hw, f"EP{ep} ({-(-ep // 8)} nodes), attention DP{ep}",
+                simulate(load_config(raw), opts, write=False))
+    for name, topo in (("1gpu", "TP1"), ("2gpu", "TP2, EP2"), ("1gpu", "DP2, EP2")):
+        extra = ["parallel.data=2", "eplb.enabled=true", "eplb.num_redundant_experts=8"] if "DP2" in topo else []
+        cfg = load_config(REPO / "configs" / f"qwen3-30b-a3b-{name}.yaml", [
+            f"model.path={QWEN3_30B}", f"workload.num_requests={args.qwen_requests}", "workload.kind=synthetic",
+            "workload.prompt_len=[512,1024]", "workload.output_len=[128,512]", f"report.out_dir={tmp}", *extra])
+        row("Qwen3-30B-A3B", "H200", topo, simulate(cfg, SimOptions(hardware="H200"), write=False))
+
+
 def _command(sub, name: str, func, **defaults):
     """A subcommand running func(args), with a --flag per default (a list default: nargs="+")."""
     p = sub.add_parser(name)
@@ -290,6 +334,8 @@ def main(argv=None) -> None:
     _command(sub, "aic", cmd_aic, batch=[16, 64])
     _command(sub, "study-spec", cmd_study_spec, concurrency=[1, 8, 32, 128, 256],
              survival=[0.85, 0.72, 0.61, 0.52, 0.44, 0.37])
+    _command(sub, "study-cost", cmd_study_cost, hardware=["H800", "H200"], ep=[16, 32, 72, 144], seqs=64,
+             qwen_requests=1024)
     fp = _command(sub, "fit-cpu", cmd_fit_cpu)
     fp.add_argument("--write", action="store_true", help="write the fitted figures into assets/hardware.yaml")
     fp.add_argument("--report", default=None, help="a real run's report.json to fit to (default: run one)")

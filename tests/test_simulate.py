@@ -182,6 +182,103 @@ def test_cost_model_sum_roofline_and_row_overhead():
     assert step_time(shape, m, topo, dev, prec)["rows"] == 0.0
 
 
+def test_cost_model_shared_host_cores():
+    """Ranks that share a host's cores with other processes: each device term divided by the rank's
+    share, cores / (ranks + other processes); the collectives, the host and one rank unchanged."""
+    dev, m, _, _, prec = _toy()
+    topo = Topology(tensor=2, data=1, gpus_per_node=2, num_slots=4)
+    shape = StepShape(tokens=np.array([4.0]), sample_rows=np.array([2.0]), num_seqs=np.array([2.0]),
+                      attn_pairs=np.array([10.0]), kv_read=np.array([6.0]),
+                      rank_tokens=np.array([[5.0, 3.0]]), rank_active=np.array([[2.0, 2.0]]))
+    shared = dev.model_copy(update={"host_cores": 2.0, "host_procs": 1.0, "layer_overhead_s": 1e-4})
+    own = dev.model_copy(update={"layer_overhead_s": 1e-4})
+    assert shared.rank_share(2) == pytest.approx(2 / 3) and shared.rank_share(1) == 1.0 and own.rank_share(2) == 1.0
+    a, b = step_time(shape, m, topo, shared, prec), step_time(shape, m, topo, own, prec)
+    for k in ("attention", "dense_gemm", "moe", "launch"):
+        assert a[k] == pytest.approx(1.5 * b[k]) and b[k] > 0, k
+    # lm_head: the GEMM slows, the logits' all-gather does not: 2 rows x 20 params a rank, 2 x 10 x 4 B gathered
+    gemm, gather = 20 * 2 / 1e9, 1e-5 + 0.5 * 2 * 10 * 4 / 1e8
+    assert b["lm_head"] == pytest.approx(gemm + gather) and a["lm_head"] == pytest.approx(1.5 * gemm + gather)
+    for k in ("tp_comm", "ep_comm", "host"):
+        assert a[k] == b[k] > 0, k
+    assert a["total"] == pytest.approx(sum(v for k, v in a.items() if k != "total"))
+    one = Topology(tensor=1, data=1, gpus_per_node=2, num_slots=4)  # one process: its figures are its own
+    assert step_time(shape, m, one, shared, prec)["total"] == step_time(shape, m, one, own, prec)["total"]
+
+
+def test_padded_attention_from_the_schedule(tmp_path):
+    """The cpu entry's attention is the engine's padded kernel: decode rows one batch, the other rows
+    another, each padded to its longest query and its longest context in whole blocks (16 tokens)."""
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.simulate.cost_model import padded_attention_time
+    from dspark_cluster.simulate.run import build
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_s": 0.0, "prompt_len": n, "output_len": 3}) for n in (20, 40)))
+    cfg = load_config(None, [f"report.out_dir={tmp_path}"])
+    engine, requests = build(cfg, SimOptions(hardware="cpu", trace=str(trace), record_shapes=True))
+    assert engine.dev.attention_kernel == "padded"
+    names = iter(range(len(requests)))
+    engine.run(requests, lambda r: Sequence(f"p{next(names)}", list(r.prompt_ids), len(r.prompt_ids), r.params,
+                                            engine.spec.eos_token_ids, arrival_time=r.arrival_s))
+    first, second = engine.shape_record[:2]
+    # step 1: the two prompts, 40 queries x 48 keys each; step 2: two decodes over 48 keys (contexts 21, 41)
+    assert (first.padded_pairs[0], first.padded_kv[0]) == (2 * 40 * 48, 2 * 48)
+    assert (second.padded_pairs[0], second.padded_kv[0]) == (2 * 48, 2 * 48)
+    assert first.attn_pairs[0] == 20 * 21 / 2 + 40 * 41 / 2  # the causal pairs a varlen kernel would compute
+    m, dev, prec = engine.shapes, engine.dev, engine.prec
+    heads, lat = m.num_heads, m.kv_lora_rank + m.qk_rope_head_dim  # MLA absorbed: q.k and p.v over the latent
+    flops = 3840 * 4 * heads * lat
+    bytes_ = 3 * 96 * lat * prec.kv_bytes + 3840 * heads * 4  # the gathered KV copied and read, the fp32 mask
+    hand = flops / dev.achievable_flops("fp32") + bytes_ / dev.achievable_hbm  # roofline sum
+    assert float(padded_attention_time(3840, 96, m, 1, dev, prec)) == pytest.approx(hand)
+    t = step_time(first, m, engine.topo, dev, prec)
+    assert t["attention"] == pytest.approx(m.num_layers * hand)
+
+
+def _replayed_steps(tmp_path, overrides, dev_update, tag):
+    """A 'real' run's step records made by a known device: the simulation's own replay of the
+    bundled config with `overrides`, each step's execute_s the cost model's time on that device."""
+    from dspark_cluster.sequence import Sequence
+    from dspark_cluster.simulate.run import build
+
+    cfg = load_config(None, [f"report.out_dir={tmp_path}", *overrides])
+    engine, requests = build(cfg, SimOptions(hardware="cpu", record_shapes=True))
+    names = iter(range(len(requests)))
+    engine.run(requests, lambda r: Sequence(f"{tag}{next(names)}", list(r.prompt_ids), len(r.prompt_ids), r.params,
+                                            engine.spec.eos_token_ids, arrival_time=r.arrival_s))
+    dev = engine.dev.model_copy(update={"host_overhead_s": 0.0, "per_seq_overhead_s": 0.0, "per_token_overhead_s": 0.0,
+                                        "roofline": "sum", **dev_update})
+    return engine, [{"num_seqs": int(sh.num_seqs.sum()), "num_tokens": int(sh.tokens.sum()),
+                     "execute_s": step_time(sh, engine.shapes, engine.topo, dev, engine.prec)["total"]}
+                    for sh in engine.shape_record]
+
+
+def test_cpu_fit_recovers_the_shared_host_figures(tmp_path):
+    """fit_to_run over a one-process run and a tensor-2 run through Ray whose step times a known
+    device made (its collective latency and the busy processes beside the ranks on 2 cores among its
+    figures): the one least squares returns every figure, the per-row overhead (which each rank
+    repeats) told apart from the work the ranks split."""
+    from dspark_cluster.simulate.fit import FITTED, SHARED, fit_to_run
+
+    truth = {"flops": 4e10, "hbm_bandwidth": 6e9, "layer_overhead_s": 1.5e-3, "row_overhead_s": 2e-5,
+             "collective_latency_s": 1.2e-3, "host_procs": 2.5}
+    assert set(truth) == set(FITTED + SHARED)
+    dev = {**truth, "flops": {k: truth["flops"] for k in ("fp32", "bf16", "fp8")}, "host_cores": 2.0}
+    one = ["workload.num_requests=16"]
+    tp2 = ["parallel.tensor=2", "parallel.executor=ray", "workload.kind=synthetic", "workload.num_requests=16",
+           "workload.prompt_len=[100,300]", "scheduler.max_num_seqs=8"]
+    _, steps1 = _replayed_steps(tmp_path, one, dev, "a")
+    engine, steps2 = _replayed_steps(tmp_path, tp2, dev, "b")
+    assert engine.topo.world == 2 and any(st["num_tokens"] > 100 for st in steps2)  # prompt chunks and decodes
+    stalled = [{**st, "execute_s": st["execute_s"] * 1.7} for st in steps2]  # a stalled repeat: the fastest counts
+    fit = fit_to_run([(one, [{"steps": steps1}])], [(tp2, [{"steps": stalled}, {"steps": steps2}])], cores=2)
+    assert fit["fitted_steps"] == len(steps1) and fit["shared_fitted_steps"] == len(steps2)
+    assert fit["rms_log_error"] < 1e-3 and fit["shared_rms_log_error"] < 1e-3 and fit["host_cores"] == 2.0
+    for k, v in truth.items():
+        assert fit[k] == pytest.approx(v, rel=0.02), k
+
+
 def test_cpu_fit_recovers_the_figures_that_made_the_step_times(tmp_path):
     """fit_to_run on a 'real' run whose step times a known device made (the simulation's own
     replay of the default config): the fitted figures are that device's."""

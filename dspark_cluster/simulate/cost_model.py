@@ -2,11 +2,14 @@
 
 Every operation is a roofline: max(FLOPs / achievable FLOP/s, bytes / achievable HBM bandwidth),
 whichever binds (a decode step's GEMMs read their weights for a few tokens: bandwidth; a prefill
-chunk's are compute); on a device whose entry says `roofline: sum` (this CPU) their sum. Collectives are latency + bytes / bandwidth, NVLink within a node and the
-network between nodes. The layers of a step run in lockstep over the ranks (the experts'
-all-to-all is a barrier), so a MoE layer takes the slowest data-parallel group's attention, the
-dispatch, the busiest EP rank's experts and the combine: that busiest rank is where EPLB's effect
-shows. Units: seconds, FLOPs, bytes; token counts are per data-parallel group.
+chunk's are compute); on a device whose entry says `roofline: sum` (this CPU) their sum. Where the
+devices are a host's cores (`host_cores`), the ranks of a multi-process run share them with the run's
+other processes: every device term of a rank is divided by its share (`Device.rank_share`).
+Collectives are latency + bytes / bandwidth, NVLink within a node and the network between nodes.
+The layers of a step run in lockstep over the ranks (the experts' all-to-all is a barrier), so a
+MoE layer takes the slowest data-parallel group's attention, the dispatch, the busiest EP rank's
+experts and the combine: that busiest rank is where EPLB's effect shows. Units: seconds, FLOPs,
+bytes; token counts are per data-parallel group.
 
 `step_time` returns every term by name; they add up to "total" (with overlap, "overlap_saved"
 is the negative term that makes them add up), which the tests check on a hand-computed step.
@@ -78,6 +81,11 @@ class StepShape:
     free_tokens: Optional[np.ndarray] = None
     prefill_pairs: Optional[np.ndarray] = None  # the attn_pairs of prompt-chunk rows (MLA runs them unabsorbed)
     prefill_ctx: Optional[np.ndarray] = None  # their context tokens (MLA up-projects the latent of each)
+    # a padded attention kernel's work (Device.attention_kernel "padded"): decode rows one batch, the
+    # other rows another, each row attending its batch's longest query x longest context (whole blocks): the pairs
+    # computed and the context tokens gathered; None: as attn_pairs and kv_read
+    padded_pairs: Optional[np.ndarray] = None
+    padded_kv: Optional[np.ndarray] = None
     rank_tokens: Optional[np.ndarray] = None
     rank_active: Optional[np.ndarray] = None
     draft_rows: int = 0
@@ -114,6 +122,20 @@ def attention_time(pairs, kv_read, m: ModelShapes, tp: int, dev: Device, prec: P
     flops = (pairs - prefill_pairs) * m.attn_pair_flops(tp) + prefill_pairs * m.prefill_pair_flops(tp)
     bytes_ = np.asarray(kv_read, dtype=np.float64) * m.kv_elems_per_token_layer(tp) * prec.kv_bytes
     # a device entry may give attention kernels their own rate (the cpu entry: fitted, far from its GEMMs')
+    rate = dev.achievable_flops("attention" if "attention" in dev.flops else prec.attn_dtype)
+    return dev.op_time(flops / rate, bytes_ / dev.achievable_hbm)
+
+
+def padded_attention_time(pairs, kv_read, m: ModelShapes, tp: int, dev: Device, prec: Precision):
+    """One layer's attention core on one TP rank as this engine's eager kernel runs it
+    (model/attention.py, SDPA over padded batches): pairs [..] padded (query, key) pairs at
+    padded_pair_flops (MLA absorbed for every row), the additive mask read per head (fp32), and
+    kv_read [..] context tokens gathered from the pool (a copy: read and written) then read by the
+    kernel."""
+    pairs = np.asarray(pairs, dtype=np.float64)
+    flops = pairs * m.padded_pair_flops(tp)
+    kv = np.asarray(kv_read, dtype=np.float64) * m.kv_elems_per_token_layer(tp) * prec.kv_bytes
+    bytes_ = 3.0 * kv + pairs * (m.num_heads / tp) * 4.0
     rate = dev.achievable_flops("attention" if "attention" in dev.flops else prec.attn_dtype)
     return dev.op_time(flops / rate, bytes_ / dev.achievable_hbm)
 
@@ -177,8 +199,12 @@ def _device_terms(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, pre
     kv = np.asarray(s.kv_read, dtype=np.float64) * scale * frac
     attn_proj = gemm_time(tok, m.attn_params / tp, dev, prec)
     pp = 0.0 if s.prefill_pairs is None else np.asarray(s.prefill_pairs, dtype=np.float64) * scale * frac
-    attn_core = attention_time(pairs, kv, m, tp, dev, prec, pp)
-    if s.prefill_ctx is not None and m.kv_up_params:
+    if dev.attention_kernel == "padded" and s.padded_pairs is not None:
+        attn_core = padded_attention_time(np.asarray(s.padded_pairs, dtype=np.float64) * scale * frac,
+                                          np.asarray(s.padded_kv, dtype=np.float64) * scale * frac, m, tp, dev, prec)
+    else:
+        attn_core = attention_time(pairs, kv, m, tp, dev, prec, pp)
+    if s.prefill_ctx is not None and m.kv_up_params and dev.attention_kernel != "padded":
         attn_core = attn_core + gemm_time(np.asarray(s.prefill_ctx, dtype=np.float64) * scale * frac,
                                           m.kv_up_params / tp, dev, prec)
     mlp = gemm_time(tok, m.mlp_params / tp, dev, prec)
@@ -189,6 +215,9 @@ def _device_terms(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, pre
     lm_head = gemm_time(sample, m.lm_head_params / tp, dev, prec)
     logits = all_gather_time(sample * m.vocab * 4.0, tp, dev.nvlink_bandwidth, dev.collective_latency_s)
     L, Lm = m.num_layers, m.num_moe_layers
+    # ranks that share a host's cores with the run's other processes compute slower (1 on GPUs)
+    slow = 1.0 / dev.rank_share(min(topo.world, topo.gpus_per_node))
+    lm_head = lm_head * slow
     t = {
         # the slowest group sets the pace of each layer (all ranks meet in the all-to-all)
         "attention": L * float(np.max(attn_core)),
@@ -217,6 +246,8 @@ def _device_terms(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, pre
     elif Lm:  # one rank holds every expert: each token's top-k experts run here
         active = min(m.num_experts, float(np.max(tok)) * m.top_k)
         t["moe"] = Lm * float(expert_time(float(np.max(tok)) * m.top_k, active, m.expert_params, dev, prec))
+    for k in ("attention", "dense_gemm", "moe", "launch", "rows"):
+        t[k] *= slow
     return t
 
 
@@ -248,8 +279,10 @@ def step_time(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, prec: P
     the step (the engine waits for the proposals). export_bytes_per_token: hidden-state bytes per
     committed token sent to the drafter. host_seqs: sequences the host handles per step (default
     every group's: one Router schedules them all). async_host: the host's work overlaps the
-    device's (async scheduling): max instead of a sum. dispatch: per_expert (a copy per routed expert,
-    DeepEP's low-latency decode kernels) or per_node (a copy per remote node, its normal kernels)."""
+    device's (async scheduling): max instead of a sum, unless the ranks already take every core of
+    a shared host (`host_cores`): then the host's work takes its cores from them and adds up.
+    dispatch: per_expert (a copy per routed expert, DeepEP's low-latency decode kernels) or per_node
+    (a copy per remote node, its normal kernels)."""
     if overlap:
         half = _device_terms(s, m, topo, dev, prec, 0.5, dispatch)
         t = {k: 2 * v for k, v in half.items()}
@@ -265,7 +298,7 @@ def step_time(s: StepShape, m: ModelShapes, topo: Topology, dev: Device, prec: P
     seqs = float(np.sum(s.num_seqs)) if host_seqs is None else host_seqs
     host = dev.host_overhead_s + dev.per_seq_overhead_s * seqs + dev.per_token_overhead_s * float(np.sum(s.tokens))
     device = sum(v for k, v in t.items())
-    if async_host:
+    if async_host and dev.rank_share(min(topo.world, topo.gpus_per_node)) >= 1.0:
         t["host"] = max(0.0, host - device)  # only what the device's time does not hide
     else:
         t["host"] = host

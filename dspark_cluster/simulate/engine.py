@@ -307,10 +307,12 @@ class SimEngine:
     # ---- the step ------------------------------------------------------------------------
     def _shape(self, scheds) -> StepShape:
         G = self.num_groups
-        tokens, samples, seqs, pairs, kv, free, ppairs, pctx = (np.zeros(G) for _ in range(8))
+        tokens, samples, seqs, pairs, kv, free, ppairs, pctx, padded, padded_kv = (np.zeros(G) for _ in range(10))
         decode_only = self.opts.role == "decode"
+        bs = self.block_size
         for g, sc in enumerate(scheds):
             t = sp = pr = kr = fr = ppr = pkr = 0
+            n_dec = ctx_dec = n_oth = q_oth = ctx_oth = 0  # the padded batches: decode rows, the other rows
             for s in sc.scheduled:
                 q = s.num_new_tokens + (len(s.proposal.tokens) if s.proposal is not None else 0)
                 t += q
@@ -318,6 +320,10 @@ class SimEngine:
                 pair = q * s.start + q * (q + 1) // 2
                 pr += pair
                 kr += s.start + q
+                if q == 1:
+                    n_dec, ctx_dec = n_dec + 1, max(ctx_dec, s.start + 1)
+                else:
+                    n_oth, q_oth, ctx_oth = n_oth + 1, max(q_oth, q), max(ctx_oth, s.start + q)
                 if s.start < s.seq.num_prompt_tokens and q > 1:  # a prompt chunk (not a decode or verify row)
                     ppr += pair
                     pkr += s.start + q
@@ -325,7 +331,11 @@ class SimEngine:
                     fr += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start)
             tokens[g], samples[g], seqs[g], pairs[g], kv[g], free[g] = t, sp, len(sc.scheduled), pr, kr, fr
             ppairs[g], pctx[g] = ppr, pkr
-        shape = StepShape(tokens, samples, seqs, pairs, kv, free if decode_only else None, ppairs, pctx)
+            # a batch's keys span its longest context in whole blocks (model/attention.py _batch)
+            s_dec, s_oth = -(-ctx_dec // bs) * bs, -(-ctx_oth // bs) * bs
+            padded[g], padded_kv[g] = n_dec * s_dec + n_oth * q_oth * s_oth, n_dec * s_dec + n_oth * s_oth
+        shape = StepShape(tokens, samples, seqs, pairs, kv, free if decode_only else None, ppairs, pctx,
+                          padded_pairs=padded, padded_kv=padded_kv)
         if self.traffic is not None:
             routed = int(max(0.0, float((tokens - free).sum()))) * self.shapes.top_k
             counts = self.traffic.sample(routed)

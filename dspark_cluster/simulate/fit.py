@@ -67,14 +67,14 @@ def _device(base, x):
                                    "layer_overhead_s": float(lo), "row_overhead_s": float(ro), "roofline": "sum"})
 
 
-def _least_squares(predict, measured) -> tuple[dict, float]:
-    """The FITTED figures that make predict(device) match measured seconds: least squares in log
-    time with a soft-L1 loss (a shared machine's stalls are outliers that only ever add time)."""
+def _least_squares(predict, measured, names=FITTED, start=_START) -> tuple[dict, float]:
+    """The figures `names` that make predict(log figures) match measured seconds: least squares in
+    log time with a soft-L1 loss (a shared machine's stalls are outliers that only ever add time)."""
     from scipy.optimize import least_squares
 
     meas = np.log(np.asarray(measured, dtype=np.float64))
-    res = least_squares(lambda x: np.log(predict(x)) - meas, np.log(_START), loss="soft_l1", f_scale=0.1)
-    values = dict(zip(FITTED, (float(v) for v in np.exp(res.x))))
+    res = least_squares(lambda x: np.log(predict(x)) - meas, np.log(start), loss="soft_l1", f_scale=0.1)
+    values = dict(zip(names, (float(v) for v in np.exp(res.x))))
     return values, float(np.sqrt(np.mean((np.log(predict(res.x)) - meas) ** 2)))
 
 
@@ -137,13 +137,22 @@ def fit_host_terms(runs: list[list[dict]]) -> dict:
 
 
 # the cpu entry is one core: every run it is fitted to or checked against gives each rank one thread,
-# so that tensor 2 is two such devices (at the config's default, one process would take both cores)
-ONE_CORE = ("parallel.threads_per_worker=1",)
+# so that tensor 2 is two such devices (at the config's default, one process would take both cores);
+# a Ray run starts its own instance (with `auto` it would join one that another user's tests started
+# on this machine, and stop when they stop)
+ONE_CORE = ("parallel.threads_per_worker=1", "parallel.ray_address=local")
 
 
 def real_run(overrides=(), name: str = "fit") -> dict:
     """A real `dspark run` of the bundled config here (one thread a rank), its report dict."""
+    import os
     import tempfile
+
+    # Ray starts its workers at nice 15: on a machine shared with other work (at nice 0) a tensor-2
+    # run's ranks then get only the cores that work leaves (measured: 2-7x slower prompt chunks at load
+    # 3-5, while the one-process runs beside it take their fair share). At 0, the ranks, the Router
+    # and a one-process run all compete as equals, as on a machine of their own
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
     from ..config import load_config
     from ..runner import run_experiment
@@ -190,45 +199,58 @@ def _paired_steps(runs, device=None):
     return engine, shapes, real
 
 
-def fit_to_run(runs) -> dict:
+def host_cores() -> int:
+    """The cores of this machine (what the ranks of a run here and its other processes share)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# the figures of a multi-process run here: gloo's latency between worker processes (its bandwidth term
+# is negligible at these sizes) and the busy processes besides the ranks on the host's cores (the
+# Router, the driver, Ray's own, other work: each rank's device time is divided by its share)
+SHARED = ("collective_latency_s", "host_procs")
+_SHARED_START = (3e-4, 1.0)
+
+
+def fit_to_run(runs, shared_runs=(), cores: Optional[int] = None) -> dict:
     """The FITTED figures that make the cost model's device time of each step match that step's
-    execute_s in real runs [(overrides, [report, ...])] of one process (tensor 1)."""
+    execute_s in real runs [(overrides, [report, ...])] of one process (tensor 1). With shared_runs
+    (tensor-parallel runs through Ray, on this host's `cores`) the SHARED figures too, all in one least
+    squares: one process cannot tell the work a rank splits (GEMMs, attention heads) from the work every
+    rank repeats (per-layer and per-row overheads); tensor 2 can. Its decode steps are mostly
+    collectives, its prompt chunks mostly device time."""
     from .cost_model import step_time
 
+    bare = {"host_overhead_s": 0.0, "per_seq_overhead_s": 0.0, "per_token_overhead_s": 0.0}
     engine, shapes, real = _paired_steps(runs)
-    base = engine.dev.model_copy(update={"host_overhead_s": 0.0, "per_seq_overhead_s": 0.0,
-                                         "per_token_overhead_s": 0.0})
+    base = engine.dev.model_copy(update=bare)
+    parts = [(engine, base, shapes)]
+    if shared_runs:
+        engine2, shapes2, real2 = _paired_steps(shared_runs)
+        cores = float(cores or host_cores())
+        parts.append((engine2, engine2.dev.model_copy(update={**bare, "host_cores": cores}), shapes2))
+        real = list(real) + list(real2)
+    n = len(FITTED)
 
     def predict(x):
-        dev = _device(base, x)
-        return np.array([step_time(sh, engine.shapes, topo, dev, engine.prec)["total"] for topo, sh in shapes])
+        out = []
+        for eng, b, shs in parts:
+            dev = _device(b, x[:n])
+            if len(x) > n:
+                dev = dev.model_copy(update=dict(zip(SHARED, (float(v) for v in np.exp(x[n:])))))
+            out += [step_time(sh, eng.shapes, topo, dev, eng.prec)["total"] for topo, sh in shs]
+        return np.array(out)
 
-    values, rms = _least_squares(predict, real)
-    return {**values, "rms_log_error": rms, "fitted_steps": len(shapes)}
-
-
-def fit_collectives(runs, device: dict) -> dict:
-    """collective_latency_s (gloo's all-reduce of a few KB between worker processes here, its
-    bandwidth term negligible at these sizes) that makes tensor-parallel runs' steps match, the
-    device figures `device` (fit_to_run's) held fixed."""
-    from scipy.optimize import least_squares
-
-    from .cost_model import step_time
-
-    engine, shapes, real = _paired_steps(runs)
-    base = engine.dev.model_copy(update={"host_overhead_s": 0.0, "per_seq_overhead_s": 0.0,
-                                         "per_token_overhead_s": 0.0, **{k: device[k] for k in FITTED}})
-    base = base.model_copy(update={"flops": {k: device["flops"] for k in ("fp32", "bf16", "fp8")}, "roofline": "sum"})
-    meas = np.log(np.asarray(real))
-
-    def predict(x):
-        dev = base.model_copy(update={"collective_latency_s": float(np.exp(x[0]))})
-        return np.log([step_time(sh, engine.shapes, topo, dev, engine.prec)["total"] for topo, sh in shapes])
-
-    res = least_squares(lambda x: predict(x) - meas, np.log([2e-4]), loss="soft_l1", f_scale=0.1)
-    return {"collective_latency_s": float(np.exp(res.x[0])),
-            "collective_rms_log_error": float(np.sqrt(np.mean((predict(res.x) - meas) ** 2))),
-            "collective_fitted_steps": len(shapes)}
+    names, start = (FITTED + SHARED, _START + _SHARED_START) if shared_runs else (FITTED, _START)
+    values, rms = _least_squares(predict, real, names, start)
+    out = {**values, "rms_log_error": rms, "fitted_steps": len(shapes)}
+    if shared_runs:
+        x = np.log([values[k] for k in names])
+        err = np.log(predict(x)[len(shapes):]) - np.log(real[len(shapes):])
+        out.update({"host_cores": cores, "shared_rms_log_error": float(np.sqrt(np.mean(err ** 2))),
+                    "shared_fitted_steps": len(shapes2)})
+    return out
 
 
 # the runs the cpu entry is fitted to (none of them a validation point): the bundled default config,
@@ -239,9 +261,12 @@ FIT_RUNS = {
     "synthetic 600-800, 32 seqs": ["workload.kind=synthetic", "workload.prompt_len=[600,800]",
                                    "scheduler.max_num_seqs=32", "workload.output_len=[16,48]"],
 }
-# tensor 2 through Ray (two worker processes, gloo): the collectives' latency, the rest held fixed
+# tensor 2 through Ray (two worker processes, gloo): 1 to 24 rows and prompt chunks of 100-300-token
+# prompts, so that the fit tells the work a rank splits from the work it repeats, and the collectives
 RAY_TP2 = ["parallel.tensor=2", "parallel.executor=ray"]
-FIT_RUNS_TP2 = {"tensor 2, 24 requests, 8 seqs": [*RAY_TP2, "workload.num_requests=24", "scheduler.max_num_seqs=8"]}
+FIT_RUNS_TP2 = {"tensor 2, synthetic 100-300, 24 seqs": [
+    *RAY_TP2, "workload.kind=synthetic", "workload.num_requests=48", "workload.prompt_len=[100,300]",
+    "scheduler.max_num_seqs=24", "workload.output_len=[16,48]"]}
 
 
 def real_runs(points: dict, repeats: int) -> dict:
@@ -257,8 +282,9 @@ def real_runs(points: dict, repeats: int) -> dict:
 
 def fit_cpu(report: Optional[str] = None, repeats: int = 3, source: str = "run", reals: Optional[dict] = None) -> dict:
     """source run: the device terms fitted to real runs' step times (FIT_RUNS, each `repeats` times;
-    shapes replayed by the simulation), the host terms to the same runs' gaps between steps, the
-    collectives' latency to FIT_RUNS_TP2; with `report`, to that one run of the default config; with
+    shapes replayed by the simulation) and the tensor-2 run's (FIT_RUNS_TP2: with it the collectives'
+    latency and the host's other processes, fit_to_run), the host terms to the one-process runs' gaps
+    between steps; with `report`, to that one run of the default config; with
     `reals` (label -> reports, as real_runs gives), to those runs. profile: the device terms fitted to
     the engine's start-up StepCost profile alone (no context lengths in it)."""
     if source != "run":
@@ -269,10 +295,8 @@ def fit_cpu(report: Optional[str] = None, repeats: int = 3, source: str = "run",
         reals = reals or real_runs({**FIT_RUNS, **FIT_RUNS_TP2}, repeats)
         runs = [(FIT_RUNS[label], reals[label]) for label in FIT_RUNS]
         tp2 = [(FIT_RUNS_TP2[label], reals[label]) for label in FIT_RUNS_TP2]
-    out = fit_to_run(runs)
+    out = fit_to_run(runs, tp2)
     out.update(fit_host_terms([r["steps"] for _, reps in runs for r in reps]))
-    if tp2:
-        out.update(fit_collectives(tp2, out))
     out.update({"machine": _machine(), "date": time.strftime("%Y-%m-%d"), "source": "run",
                 "fit_runs": [len(reps) for _, reps in runs]})
     return out
@@ -306,21 +330,24 @@ def write_cpu_entry(fit: dict, path: Path = CATALOG_PATH) -> None:
     f = fit["flops"]
     att = f", attention: {fit['attention_flops']:.4g}" if fit.get("attention_flops") else ""
     cpu = re.sub(r"flops: \{[^}]*\}", f"flops: {{fp32: {f:.4g}, bf16: {f:.4g}, fp8: {f:.4g}{att}}}", cpu, count=1)
-    for key in ("hbm_bandwidth", "layer_overhead_s", "row_overhead_s", "collective_latency_s", "host_overhead_s",
-                "per_seq_overhead_s", "per_token_overhead_s"):
+    for key in ("hbm_bandwidth", "layer_overhead_s", "row_overhead_s", "collective_latency_s", "host_cores",
+                "host_procs", "host_overhead_s", "per_seq_overhead_s", "per_token_overhead_s"):
         if key in fit:
-            cpu = re.sub(rf"(\n    {key}: )[^\n]*", rf"\g<1>{fit[key]:.4g}", cpu, count=1)
+            cpu = re.sub(rf"(\n    {key}: )[^\s#]*", rf"\g<1>{fit[key]:.4g}", cpu, count=1)
     if "collective_latency_s" in fit:
-        cpu = re.sub(r'(\n    source_latency: )[^\n]*',
-                     rf'\g<1>"fitted {fit["date"]} by fit-cpu to the steps of tensor-2 runs through Ray (fit.FIT_RUNS_TP2; '
-                     rf'gloo between two worker processes), the device figures held; network_latency_s not fitted"',
-                     cpu, count=1)
+        shared = (f"fitted {fit['date']} by fit-cpu to the {fit['shared_fitted_steps']} steps of a tensor-2 run "
+                  f"through Ray (fit.FIT_RUNS_TP2; gloo between two worker processes, nice 0), with the device "
+                  f"figures; host_cores this machine's; rms log error {fit['shared_rms_log_error']:.3f}")
+        cpu = re.sub(r'(\n    source_latency: )[^\n]*', rf'\g<1>"{shared}; network_latency_s not fitted"', cpu, count=1)
+        cpu = re.sub(r'(\n    source_host_cores: )[^\n]*', rf'\g<1>"{shared}"', cpu, count=1)
     if fit.get("source") == "run":
+        tp2 = (f" with the {fit['shared_fitted_steps']} steps of a tensor-2 run through Ray (fit.FIT_RUNS_TP2)"
+               if fit.get("shared_fitted_steps") else "")
         note = (f"fitted {fit['date']} on this machine by launch/bench_simulate.py fit-cpu: each step's execute_s of "
                 f"real dspark runs of configs/tiny.yaml and two variants (fit.FIT_RUNS, the fastest of "
                 f"{max(fit.get('fit_runs') or [1])} repeats; {fit['fitted_steps']} steps, shapes replayed by the "
-                f"simulation), rms log error {fit['rms_log_error']:.3f}; host terms from the same runs' gaps "
-                f"between steps")
+                f"simulation), rms log error {fit['rms_log_error']:.3f}{tp2}; host terms from the one-process runs' "
+                f"gaps between steps")
     else:
         note = (f"fitted {fit['date']} on this machine by launch/bench_simulate.py fit-cpu: profile rms log error "
                 f"{fit['rms_log_error']:.3f} over B = {fit['profile_tokens'][0]}..{fit['profile_tokens'][-1]} and "

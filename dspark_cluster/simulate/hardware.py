@@ -45,8 +45,17 @@ class Device(BaseModel):
     # while it computes: the roofline) or "sum" (neither hides the other: eager GEMMs on a CPU at a
     # few rows, where the weights' read and the arithmetic follow each other; the cpu entry's fit)
     roofline: Literal["max", "sum"] = "max"
+    # how the attention kernel runs a step's rows: varlen (FlashAttention / FlashMLA: each row its own
+    # causal pairs, MLA prompt chunks unabsorbed) or padded (this engine's eager path, what runs on a CPU
+    # here: decode rows one batch and the rest another, each padded to its longest query and context)
+    attention_kernel: Literal["varlen", "padded"] = "varlen"
     # device <-> host or the drafter's device (the hidden-state export): PCIe 5 x16 ~50 GB/s a direction
     host_link_bandwidth: float = Field(50e9, gt=0)
+    # devices that are a host's cores (this CPU): the cores the ranks of a multi-process run share with
+    # the run's other busy processes (the Router, the driver, Ray's own, the machine's other work),
+    # host_procs of them as an effective count (fitted). 0 cores: each rank has its device to itself
+    host_cores: float = Field(0.0, ge=0)
+    host_procs: float = Field(0.0, ge=0)
 
     def achievable_flops(self, dtype: str) -> float:
         """FLOP/s a GEMM in `dtype` reaches (falls back to bf16's figure for a dtype not listed)."""
@@ -56,6 +65,15 @@ class Device(BaseModel):
     @property
     def achievable_hbm(self) -> float:
         return self.hbm_bandwidth * self.hbm_efficiency
+
+    def rank_share(self, ranks: int) -> float:
+        """The share of its own speed a rank's device work gets when `ranks` ranks of one run are on a
+        host of host_cores cores with host_procs other busy processes: host_cores / (ranks +
+        host_procs), at most 1. One rank: 1 (one process, the engine's own: the figures are fitted to
+        it as it runs, whatever shares its host); host_cores 0: 1 (a GPU is its rank's alone)."""
+        if self.host_cores <= 0 or ranks <= 1:
+            return 1.0
+        return min(1.0, self.host_cores / (ranks + self.host_procs))
 
     def op_time(self, compute_s, memory_s):
         """One operation's seconds from its compute time and its memory time (arrays alike)."""

@@ -62,6 +62,14 @@ class ModelShapes:
             return 2 * heads * (self.kv_lora_rank + self.qk_rope_head_dim) + 2 * heads * self.kv_lora_rank
         return 4 * heads * self.head_dim
 
+    def padded_pair_flops(self, tp: int) -> float:
+        """FLOPs per (query, key) pair per layer on one TP rank in this engine's eager kernel
+        (model/attention.py): MLA absorbed for every row, its values the keys themselves (SDPA needs equal
+        widths): q.k and p.v over kv_lora + rope; GQA as attn_pair_flops."""
+        if self.attention == "mla":
+            return 4 * self.num_heads / tp * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.attn_pair_flops(tp)
+
     def kv_elems_per_token_layer(self, tp: int) -> int:
         """KV elements one token holds per layer on one TP rank (kv_plan's arithmetic): MLA's latent
         and rope key, replicated on every rank; GQA's K and V of this rank's KV heads."""
