@@ -4,6 +4,7 @@
         [--poisson 0.5,1.25] [--poisson-requests 96] [--max-tokens 64] [--repeats 2] [--threads 1]
         [--placement auto|target|group] [--out FILE]
     python launch/bench_schedule_ray.py --batches 1,8 --poisson "" --repeats 1 --max-tokens 16   # smoke test
+    python launch/bench_schedule_ray.py --drafters dspark@target,dspark@group,draft_model   # both DSpark placements
 
 The policies of launch/bench_schedule.py's confidence rows, each one engine on `executor: ray` (a Router
 actor, one ShardWorker and, for speculation, one drafter actor, unless the drafter runs on the target:
@@ -58,12 +59,15 @@ SPLIT = {"step": "step_time_s", "execute": "execute_s", "forward": "forward_s", 
          "worker": "worker_s", "between": "worker_between_s"}
 
 
-def config(args, method=None) -> dict:
-    """bench_schedule's engine config (the confidence schedule at k = --k), on Ray."""
-    cfg = local_config(args, method, args.k, "confidence")
+def config(args, drafter=None) -> dict:
+    """bench_schedule's engine config (the confidence schedule at k = --k), on Ray. drafter: a method
+    (dspark, draft_model), or METHOD@PLACEMENT to set speculative.placement for that policy alone."""
+    method, _, placement = (drafter or "").partition("@")
+    cfg = local_config(args, method or None, args.k, "confidence")
     cfg["parallel"] = {"executor": "ray", "threads_per_worker": args.threads}
-    if method is not None and getattr(args, "placement", None):
-        cfg["speculative"]["placement"] = args.placement
+    placement = placement or getattr(args, "placement", None)
+    if method and placement:
+        cfg["speculative"]["placement"] = placement
     return cfg
 
 

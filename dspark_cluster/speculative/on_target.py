@@ -95,9 +95,9 @@ class TargetDrafter:
         if self.proposer is None or not rows:
             return {}
         t0 = time.perf_counter()
-        reqs = [DraftRequest(int(seq_ids[r]), [int(anchors[r])], int(propose_k[r]), float(temperature[r]),
-                             int(top_k[r]), float(top_p[r]), int(seeds[r]), int(positions[r]), int(lengths[r]) - 1)
-                for r in rows]
+        cols = [t.tolist() for t in (seq_ids, anchors, propose_k, temperature, top_k, top_p, seeds, positions, lengths)]
+        reqs = [DraftRequest(sid, [a], k, t, tk, tp, seed, pos, n - 1)
+                for sid, a, k, t, tk, tp, seed, pos, n in (tuple(c[r] for c in cols) for r in rows)]
         try:
             active, drafted = self.proposer.draft(reqs)
         except Exception as e:  # noqa: BLE001
