@@ -62,6 +62,10 @@ def ensure_ray(num_workers: int = 1, address: str = "auto"):
     num_cpus = max(os.cpu_count() or 1, num_workers + 2)
     _say(f"starting a private Ray instance for this process ({num_cpus} CPUs); "
          "`ray start --head` first, or set RAY_ADDRESS, to use a shared one")
+    # Ray runs its workers at nice 15, below the driver: here the workers are the job (the Router and
+    # the shard workers), and on shared cores a nice-15 rank got ~1/4 of a core against the driver's
+    # polling (BENCHMARKS.md "Topology simulator"). RAY_worker_niceness set by the user wins.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local", num_cpus=num_cpus, log_to_driver=False)
     return ray
 

@@ -105,6 +105,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as a private instance the engine starts (ensure_ray)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
     cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()

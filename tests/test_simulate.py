@@ -396,7 +396,7 @@ def test_simulated_idle_drafter_exports_nothing_and_catches_up(tmp_path):
     static schedule (drafting every step) exports every committed row. (Also: rows the verify budget
     cut to nothing are outcomes, as in the engine: else a drafter this poor keeps it learning.)"""
     base = [f"report.out_dir={tmp_path}", "workload.num_requests=16", "speculative.method=dspark",
-            "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4"]
+            "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4", "speculative.placement=group"]
     exported = {}
     for schedule, survival in (("static", [0.9, 0.8, 0.7, 0.6]), ("confidence", [0.02, 0.01, 0.005, 0.001])):
         cfg = load_config(None, [*base, f"speculative.schedule={schedule}"])
@@ -408,3 +408,20 @@ def test_simulated_idle_drafter_exports_nothing_and_catches_up(tmp_path):
     assert static_bytes > 0.5 * static_tokens * 2 * 256 * 4  # ~every row: 2 layers x hidden 256 x fp32
     # the schedule learns on 4 rows (they export), then drafts and exports nothing
     assert idle_bytes < 0.4 * static_bytes
+
+
+def test_simulated_drafter_on_the_target_has_no_devices_and_exports_nothing(tmp_path):
+    """speculative.placement target: the drafter drafts on the target's driver rank (its time is the
+    target's, on the target's device); group on Ray: drafter devices of their own, and the context rows
+    cross to them."""
+    base = [f"report.out_dir={tmp_path}", "workload.num_requests=8", "speculative.method=dspark",
+            "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4", "speculative.schedule=static",
+            "parallel.executor=ray"]
+    reps = {p: simulate(load_config(None, [*base, f"speculative.placement={p}"]),
+                        SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6]}), write=False)
+            for p in ("target", "group")}
+    target, group = reps["target"]["cost"], reps["group"]["cost"]
+    assert "drafter" not in target["roles"] and group["roles"]["drafter"]["devices"] == 1
+    assert target["comm_bytes"]["hidden_state_export"] == 0 < group["comm_bytes"]["hidden_state_export"]
+    assert reps["target"]["simulation"]["time_by_term_s"]["drafter"] > 0
+    assert reps["target"]["simulation"]["time_by_term_s"]["export"] == 0

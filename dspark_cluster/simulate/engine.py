@@ -129,9 +129,15 @@ class SimEngine:
         self.stale: set[int] = set()  # sequences whose latest rows the drafter lacks: no proposal until exported
         self.unread_rows: dict[int, int] = {}  # seq_id -> rows exported whose keys/values the drafter computes next
         self._export_tokens = 0
+        # a drafter on the target's driver rank (speculative.placement target) drafts on the target's device
+        # inside the step, and its context rows never leave that device
+        self.on_target = sp.on_target
+        if self.on_target:
+            self.drafter_dev = dev
         self.step_kw = dict(overlap=opts.overlap, drafter_params=drafter_params, drafter_layers=drafter.num_layers,
                             drafter_dev=self.drafter_dev,
-                            export_bytes_per_token=export_layers * self.shapes.hidden * self.prec.act_bytes,
+                            export_bytes_per_token=0.0 if self.on_target else
+                            export_layers * self.shapes.hidden * self.prec.act_bytes,
                             async_host=self.async_host, dispatch=opts.dispatch)
         self.planner: Optional[VerifyPlanner] = None
         self.acceptance = None
@@ -447,7 +453,8 @@ class SimEngine:
             w = self.topo.world
             self.comm_bytes["all_to_all"] += (m.num_moe_layers * tok * m.top_k * m.hidden
                                               * (p.dispatch_bytes + p.combine_bytes) * (w - 1) / w)
-        self.comm_bytes["hidden_state_export"] += s.export_tokens * self.drafter.export_layers * m.hidden * p.act_bytes
+        if not self.on_target:
+            self.comm_bytes["hidden_state_export"] += s.export_tokens * self.drafter.export_layers * m.hidden * p.act_bytes
 
     def run(self, requests, make_seq) -> list[Sequence]:
         """Replay requests (sorted by arrival_s) on the virtual clock; make_seq(request) -> Sequence.

@@ -222,7 +222,7 @@ def ledger(engine: SimEngine, cfg: Config, duration: float, num_requests: int) -
                            "kv_peak_used": mem["kv_bytes_per_block"] * engine.kv_peak_blocks}}
                for r in range(engine.topo.world)]
     busy = {"target": engine.busy_s * engine.topo.world}
-    if engine.speculating and cfg.parallel.executor == "ray":
+    if engine.speculating and cfg.parallel.executor == "ray" and not engine.on_target:  # (else the target's devices)
         devices += [{"role": "drafter", "rank": r, "kind": kind, "memory": {}}
                     for r in range(cfg.speculative.draft_workers)]
         busy["drafter"] = engine.terms_total.get("drafter", 0.0) * cfg.speculative.draft_workers
