@@ -145,7 +145,8 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
             rows += [
                 ("STS temperatures", " ".join(_num(t, 1, ".2f") for t in cal["temperatures"])),
                 ("ECE by position raw (%)", " ".join(_num(e, 100, ".1f") for e in cal["ece_before_by_position"])),
-                ("ECE by position STS (%)", " ".join(_num(e, 100, ".1f") for e in cal["ece_after_by_position"])),
+                (f"ECE by position {cal.get('calibration_method', 'sts')} (%)",
+                 " ".join(_num(e, 100, ".1f") for e in cal["ece_after_by_position"])),
                 ("ECE noise floor (%)", " ".join(_num(e, 100, ".1f") for e in cal.get("ece_floor_by_position", []))),
             ]
         versions = spec.get("drafter_versions") or {}

@@ -2,7 +2,7 @@
 
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
         [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--out FILE]
-        [--plot-dir DIR] [--calib-requests 512]
+        [--plot-dir DIR] [--calib-requests 512] [--calibration isotonic] [--calib-compare sts,platt,platt_log_loss]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
 policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
@@ -13,8 +13,10 @@ policy is started once and kept warm: plain decoding, `schedule: static` at each
 2. Poisson arrivals at --poisson x saturation, where saturation is plain decoding's request rate at
    batch 64 (the all-at-once figure); output tokens/s over the run and TPOT p50.
 3. The confidence engines' calibration on their live outcomes: a fresh window, then --calib-requests
-   held-out prompts one at a time; STS temperatures and ECE by position before (raw confidences) and
-   after (each round scored with the temperatures in force when it ran, fitted on earlier rounds).
+   held-out prompts one at a time, the schedule run by --calibration; ECE by position before (raw
+   confidences) and after for it and for each of --calib-compare, all fitted on the same windows and
+   scored on the same rounds (each round with the fits in force when it ran, made on earlier rounds),
+   beside the noise floor and the Brier score.
 
 One process, executor local, --threads torch threads per engine.
 """
@@ -35,6 +37,7 @@ import torch  # noqa: E402
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
 from dspark_cluster.config import ASSETS_DIR, WorkloadConfig, load_config  # noqa: E402
 from dspark_cluster.report import summarize  # noqa: E402
+from dspark_cluster.speculative.confidence import describe_params  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, make_workload, read_prompts  # noqa: E402
 
 DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark"}
@@ -90,6 +93,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
+    ap.add_argument("--calibration", default=None, help="the calibration in force in part 3 (default: the planner's)")
+    ap.add_argument("--calib-compare", default="sts,platt,platt_log_loss",
+                    help="calibrations scored beside it on the same live rounds")
     ap.add_argument("--out", default=None, help="results as JSON")
     ap.add_argument("--plot-dir", default=None, help="write verify_budget_<drafter>.png here")
     args = ap.parse_args()
@@ -141,17 +147,26 @@ def main():
     for d in drafters:  # calibration on live outcomes: a fresh window, one request at a time (it drafts there)
         llm = policies[f"{d} confidence"]
         p = llm.engine.planner
-        p.window.clear(), p.live.clear()
-        p.temps[:], p.fitted, p.num_refits, p._since_fit, p._report_t = 1.0, False, 0, 0, float("-inf")
+        p.reset_calibration(args.calibration, tuple(m for m in args.calib_compare.split(",") if m))
+        load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
         for i in range(args.calib_requests):
             llm.generate([held_out[i % len(held_out)]], params)
+        load += [open("/proc/loadavg").read().split()[:3]] if load else []
         spec = llm.engine.speculative_summary()
-        cal = spec["calibration"]
-        results["calibration"][d] = {"verified_share": spec["verified_share"], **cal}
-        print(f"{d} confidence: verified share {spec['verified_share']:.2f}, temperatures {cal['temperatures']}, "
-              f"ECE raw {cal.get('ece_before_by_position')} -> STS {cal.get('ece_after_by_position')}, "
-              f"noise floor {cal.get('ece_floor_by_position')} ({cal['live_rounds']} live rounds, by position "
-              f"{cal.get('rounds_by_position')})", flush=True)
+        cal = {**spec["calibration"], **p.calibration_report(floors=True)}
+        results["calibration"][d] = {"verified_share": spec["verified_share"], "loadavg_before_after": load, **cal}
+        print(f"{d} confidence: verified share {spec['verified_share']:.2f}, {cal['live_rounds']} live rounds, by "
+              f"position {cal.get('rounds_by_position')}, load average before/after {load}", flush=True)
+        pct = lambda xs: " ".join(f"{100 * x:.1f}" for x in xs)  # noqa: E731
+        print(f"  {'raw':15s} ECE % {pct(cal.get('ece_before_by_position', []))} | Brier sum "
+              f"{sum(cal['brier_by_method']['raw']) if cal.get('brier_by_method') else float('nan'):.4f}")
+        for m in p.methods if "ece_by_method" in cal else ():
+            desc = describe_params(m, p.params[m])
+            if m == "isotonic":  # its knots are in the JSON; here their count per position
+                desc = {"knots": [None if kn is None else len(kn[0]) for kn in desc["knots"]]}
+            print(f"  {m + (' (in force)' if m == p.calibration else ''):15s} ECE % {pct(cal['ece_by_method'][m])} "
+                  f"| floor % {pct(cal['ece_floor_by_method'][m])} | Brier sum {sum(cal['brier_by_method'][m]):.4f}"
+                  f" | {desc}", flush=True)
     if args.plot_dir:  # the verify budget each confidence engine chose, against batch size
         import matplotlib
 

@@ -11,7 +11,9 @@ from dspark_cluster.report import format_summary, write_report
 from dspark_cluster.http_edge import ServerMetrics
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts
 from dspark_cluster.speculative.records import Proposal
-from dspark_cluster.speculative.confidence import apply_temperatures, ece, ece_by_position, fit_sts, survival
+from dspark_cluster.speculative.confidence import (CALIBRATIONS, apply_calibration, apply_platt, apply_temperatures,
+                                                   brier_by_position, ece, ece_by_position, fit_calibration,
+                                                   fit_platt, fit_sts, survival)
 from dspark_cluster.speculative.verify_budget import (DraftCost, StepCost, VerifyPlanner, choose_verify_lengths,
                                                       draft_forwards)
 
@@ -98,6 +100,112 @@ def test_sts_leaves_a_position_without_data_alone_and_ece_is_zero_when_calibrate
     temps = fit_sts(raw, ver, np.minimum(acc, 1))
     assert temps[1] == 1.0
     assert ece(np.array([0.25, 0.25, 0.25, 0.25]), np.array([1.0, 0.0, 0.0, 0.0])) == 0.0
+
+
+def shifted_rounds(rng, R, biases):
+    """Raw confidences and their verify outcomes when the true conditional survival is
+    sigmoid(logit(c) + b) at each position: a pure shift, which no temperature undoes."""
+    K = len(biases)
+    raw = rng.uniform(0.05, 0.95, size=(R, K))
+    p = apply_platt(raw, (np.ones(K), np.array(biases)))
+    alive = np.cumprod(rng.uniform(size=(R, K)) < p, axis=1)
+    return raw, np.full(R, K), alive.sum(1), p
+
+
+def test_platt_and_isotonic_fix_a_shift_that_sts_cannot():
+    rng = np.random.default_rng(4)
+    true = [-1.0, 0.8, -0.6, 0.5]
+    raw, ver, acc, _ = shifted_rounds(rng, 20000, true)
+    scales, biases = fit_platt(raw, ver, acc)
+    np.testing.assert_allclose(scales[:2], 1.0, rtol=0.15)  # later positions' products tell pairs apart less well
+    np.testing.assert_allclose(biases[:2], true[:2], atol=0.15)
+    fresh_raw, fresh_ver, fresh_acc, p_true = shifted_rounds(rng, 20000, true)  # scored on rounds not fitted on
+    floor = ece_by_position(survival(p_true), fresh_ver, fresh_acc, floor=True)
+    params = {"platt": (scales, biases), **{m: fit_calibration(m, raw, ver, acc) for m in ("sts", "isotonic")}}
+    after = {m: ece_by_position(survival(apply_calibration(m, fresh_raw, params[m])), fresh_ver, fresh_acc)
+             for m in params}
+    assert max(floor) < 0.01
+    for m in ("platt", "isotonic"):
+        assert all(e < f + 0.01 for e, f in zip(after[m], floor)), (m, after[m], floor)
+    assert max(after["sts"]) > 0.04, after["sts"]  # a temperature bends around 0.5, it does not shift
+    assert max(ece_by_position(survival(fresh_raw), fresh_ver, fresh_acc)) > 0.1  # and raw is far off
+
+
+def test_ece_fitted_platt_keeps_the_confidences_resolution():
+    """With a free bias, the lowest ECE is a constant at the base rate (calibrated, and useless to a
+    scheduler); the bounded scale keeps the fit near the truth in a proper score too."""
+    rng = np.random.default_rng(5)
+    raw, ver, acc, _ = shifted_rounds(rng, 20000, [-0.8, 0.6])
+    params = fit_platt(raw, ver, acc)
+    fresh_raw, fresh_ver, fresh_acc, p_true = shifted_rounds(rng, 20000, [-0.8, 0.6])
+    fitted = brier_by_position(survival(apply_platt(fresh_raw, params)), fresh_ver, fresh_acc)
+    truth = brier_by_position(survival(p_true), fresh_ver, fresh_acc)
+    observed_rate = [(fresh_acc > j).mean() for j in range(2)]
+    constant = brier_by_position(np.cumprod(np.broadcast_to(observed_rate, fresh_raw.shape), axis=1) /
+                                 np.array([1.0, observed_rate[0]]), fresh_ver, fresh_acc)
+    assert all(f < t + 0.003 for f, t in zip(fitted, truth)), (fitted, truth)
+    assert all(c > t + 0.01 for c, t in zip(constant, truth)), (constant, truth)  # what collapsing would cost
+
+
+@pytest.mark.parametrize("method", sorted(CALIBRATIONS))
+def test_calibrated_survival_reads_only_earlier_positions_and_is_monotone(method):
+    """Lossless: a'_j is a function of c_1..c_j (never of later positions, which read the token x_j),
+    non-increasing along j, and non-decreasing in c_j (the order of slots by survival is kept)."""
+    rng = np.random.default_rng(6)
+    raw, ver, acc, _ = shifted_rounds(rng, 5000, [-0.5, 0.7, -0.3, 0.4])
+    params = fit_calibration(method, raw, ver, acc)
+    c = rng.uniform(0.02, 0.98, size=(500, 4))
+    a = survival(apply_calibration(method, c, params))
+    assert np.all(np.diff(a, axis=1) <= 1e-12)
+    for j in range(4):
+        later = c.copy()
+        later[:, j + 1:] = rng.uniform(0.02, 0.98, size=(500, 3 - j))
+        np.testing.assert_array_equal(survival(apply_calibration(method, later, params))[:, :j + 1], a[:, :j + 1])
+        higher = c.copy()
+        higher[:, j] = np.minimum(c[:, j] + rng.uniform(0, 0.3, size=500), 0.99)
+        a_hi = survival(apply_calibration(method, higher, params))
+        np.testing.assert_array_equal(a_hi[:, :j], a[:, :j])
+        assert np.all(a_hi[:, j] >= a[:, j] - 1e-12)
+    with_nan = c.copy()
+    with_nan[:, 2:] = np.nan  # undrafted positions stay undrafted
+    out = survival(apply_calibration(method, with_nan, params))
+    assert np.isnan(out[:, 2:]).all() and np.isfinite(out[:, :2]).all()
+
+
+def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossless():
+    """The planner's default calibration, fitted on live-like rounds, with the structural property of
+    `test_a_slot_is_verified_whatever_the_slots_after_it_say` through `VerifyPlanner.verify_lengths`."""
+    K = 4
+    p = VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", refit_every=500, min_rounds=50)
+    assert p.calibration == "isotonic" and p.methods == ("isotonic", "sts")
+    rng = np.random.default_rng(7)
+    raw, ver, acc, _ = shifted_rounds(rng, 4000, [-0.8, 0.6, -0.4, 0.3])
+    for i in range(0, len(raw), 8):
+        p.observe(raw[i:i + 8], ver[i:i + 8], acc[i:i + 8])
+    summary = p.summary()
+    assert summary["calibration_method"] == "isotonic" and summary["compared_methods"] == ["sts"]
+    assert len(summary["calibration_params"]["knots"]) == K and summary["calibration_params"]["knots"][0] is not None
+    assert set(summary["ece_by_method"]) == {"isotonic", "sts"}
+    assert summary["ece_after_by_position"] == summary["ece_by_method"]["isotonic"]
+    # scored on the same rounds: the shift defeats STS, not the isotonic map
+    assert max(summary["ece_by_method"]["isotonic"]) < max(summary["ece_by_method"]["sts"]) - 0.02
+    for trial in range(300):
+        N = int(rng.integers(1, 6))
+        c = rng.uniform(0.05, 0.99, size=(N, K))
+        knee = int(rng.integers(N + 1, N * (K + 1) + 1))
+        if trial % 2:
+            p.step_cost = steep_after(knee, float(rng.uniform(0.01, 0.5)))
+        else:  # a jump, then flat
+            p.step_cost = (lambda kn, h: lambda B: 1.0 + h * (np.asarray(B, dtype=float) >= kn))(
+                knee, float(rng.uniform(0.05, 0.5)))
+        base = p.verify_lengths(c, N, float(N), 0.0)
+        r, j = rng.integers(N), rng.integers(K)
+        c2 = c.copy()
+        c2[r, j + 1:] = rng.uniform(0.05, 0.99, size=K - j - 1)
+        other = p.verify_lengths(c2, N, float(N), 0.0)
+        assert min(other[r], j + 1) == min(base[r], j + 1), (trial, c, c2, base, other)
+    with pytest.raises(ValueError, match="calibration method must be one of"):
+        VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", calibration="vector")
 
 
 def test_step_cost_profile_and_live_correction():
@@ -202,3 +310,25 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         prom = generate_latest(metrics.registry).decode()
         assert f"dspark_spec_verified_share {float(spec['verified_share'])}" in prom
         assert f"dspark_spec_verify_budget {float(steps[-1]['verify_budget'])}" in prom
+
+
+def test_positions_drafted_too_rarely_are_extrapolated_not_zero():
+    """A planner that settled on 3 drafts sees no outcomes of positions 4..6: they keep the last
+    known conditional survival (else they read 0 and are never drafted again)."""
+    from dspark_cluster.speculative.verify_budget import extrapolate_survival
+
+    mean = np.array([0.8, 0.6, 0.45, 0.0, 0.0, 0.0])
+    out = extrapolate_survival(mean, np.array([900, 900, 900, 3, 0, 0]), 20)
+    assert out[:3].tolist() == [0.8, 0.6, 0.45]
+    np.testing.assert_allclose(out[3:], 0.45 * 0.75 ** np.arange(1, 4))
+    assert extrapolate_survival(mean, np.zeros(6), 20).tolist() == [0.0] * 6  # nothing known: nothing drafts
+    full = extrapolate_survival(mean, np.full(6, 100), 20)
+    assert full.tolist() == mean.tolist()
+    # the planner then drafts past 3 where the step cost allows it
+    planner = VerifyPlanner(6, StepCost([1, 64], [0.01, 0.0101]), "dspark")
+    rng = np.random.default_rng(0)
+    conf = np.full((400, 6), np.nan)
+    conf[:, :3] = rng.uniform(0.7, 0.9, (400, 3))
+    acc = (rng.uniform(size=(400, 3)) < conf[:, :3]).cumprod(1).sum(1)
+    planner.observe(conf, np.full(400, 3), acc)
+    assert planner.fitted and planner.draft_len(1) > 3

@@ -1,11 +1,12 @@
 """Confidence-scheduled verification: how many draft tokens to verify in a step, given the load.
 
-Each (sequence r, draft position j) slot has a calibrated survival probability a_{r,j} (STS, see
-`confidence.py`). A step that verifies B tokens in all takes T(B) seconds (`StepCost`: profiled at
-start-up, corrected by live step times) after a drafting call of D seconds, and yields the sampling
-rows' one token each plus, in expectation, the sum of the admitted slots' a. The budget admits slots
-greedily in decreasing a, and stops at the first slot that does not raise the expected tokens per
-second Theta = E[tokens] / (T(B) + D). B = the sampling rows alone is no speculation.
+Each (sequence r, draft position j) slot has a calibrated survival probability a_{r,j} (by default
+the "isotonic" calibration of `confidence.py`, STS fitted beside it for comparison). A step that
+verifies B tokens in all takes T(B) seconds (`StepCost`: profiled at start-up, corrected by live step
+times) after a drafting call of D seconds, and yields the sampling rows' one token each plus, in
+expectation, the sum of the admitted slots' a. The budget admits slots greedily in decreasing a, and
+stops at the first slot that does not raise the expected tokens per second Theta = E[tokens] /
+(T(B) + D). B = the sampling rows alone is no speculation.
 
 Lossless by construction: whether slot (r, j) is verified depends only on slots ranked above it, that
 is on a_{r,i<=j} (known before its token is verified: a DSpark confidence reads x_{j-1}, not x_j) and
@@ -33,7 +34,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .confidence import apply_temperatures, ece_by_position, fit_sts, survival
+from .confidence import (CALIBRATIONS, apply_calibration, brier_by_position, describe_params, ece_by_position,
+                         fit_calibration, identity_params, survival)
 
 
 def choose_verify_lengths(a: np.ndarray, base_tokens: int, base_expected: float,
@@ -56,6 +58,25 @@ def choose_verify_lengths(a: np.ndarray, base_tokens: int, base_expected: float,
     falls = np.nonzero(theta[1:] <= theta[:-1])[0]
     m = int(falls[0]) if falls.size else len(order)  # stop at the first slot that does not pay
     return np.bincount(order[:m] // K, minlength=N).astype(np.int64)
+
+
+def extrapolate_survival(mean: np.ndarray, counts: np.ndarray, min_count: int) -> np.ndarray:
+    """The mean survival by position [K] where each position was drafted counts[j] times in the window;
+    past the last position drafted min_count times, each further one keeps the last known conditional
+    survival a_j / a_{j-1}. Read as 0 instead, positions a load once drafted too few of would never be
+    chosen again (a planner that settled on 3 drafted 3 for good: their outcomes never come in)."""
+    out = np.asarray(mean, dtype=np.float64).copy()
+    known = np.asarray(counts) >= min_count
+    if not known[0]:
+        return np.where(known, out, 0.0)
+    last = int(np.nonzero(~known)[0][0]) if not known.all() else len(out)
+    if last == len(out):
+        return out
+    ratio = out[last - 1] / out[last - 2] if last >= 2 and out[last - 2] > 0 else out[last - 1]
+    ratio = min(max(float(ratio), 0.0), 1.0)
+    for j in range(last, len(out)):
+        out[j] = out[j - 1] * ratio
+    return out
 
 
 class StepCost:
@@ -158,19 +179,26 @@ class DraftCost:
 
 class VerifyPlanner:
     """The scheduler's state for `speculative.schedule: confidence`: a rolling window of verify
-    outcomes, the STS temperatures fitted on it (refitted every `refit_every` rounds), the step and
-    drafter cost models, and the choices per step."""
+    outcomes, the confidence calibration fitted on it (refitted every `refit_every` rounds), the step
+    and drafter cost models, and the choices per step.
+
+    calibration: the method in force (a name of `confidence.CALIBRATIONS`; "isotonic" measured best on
+    live rounds, BENCHMARKS.md "Calibration: STS and isotonic on live rounds"). compare: methods fitted
+    on the same windows and scored on the same live rounds beside it, never used to choose."""
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 500,
-                 min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4):
+                 min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
+                 calibration: str = "isotonic", compare: tuple = ("sts",)):
         self.k, self.step_cost, self.method = k, step_cost, method
+        self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
         self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
         self.window = deque(maxlen=window)  # (raw confidences [K] NaN-padded, verified, accepted)
-        self.live = deque(maxlen=20 * window)  # (raw a [K], calibrated a [K] as predicted then, verified, accepted)
-        self.temps = np.ones(k)
+        # (raw a [K], calibrated a [M, K] by each of self.methods as predicted then, verified, accepted)
+        self.live = deque(maxlen=20 * window)
         self.fitted = False
         self.refit_every, self.min_rounds, self.explore_every = refit_every, min_rounds, explore_every
+        self.min_position_rounds = 20  # a position drafted fewer times in the window is extrapolated
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
@@ -213,9 +241,30 @@ class VerifyPlanner:
         acc = np.array([w[2] for w in self.window])
         return conf, ver, acc
 
-    def calibrated_survival(self, raw: np.ndarray) -> np.ndarray:
-        """raw confidences [..., K] -> calibrated survival [..., K]."""
-        return survival(apply_temperatures(raw, self.temps))
+    def _set_methods(self, calibration: str, compare) -> None:
+        for m in (calibration, *compare):
+            if m not in CALIBRATIONS:
+                raise ValueError(f"calibration method must be one of {sorted(CALIBRATIONS)}, not {m!r}")
+        self.calibration = calibration
+        self.methods = (calibration, *[m for m in dict.fromkeys(compare) if m != calibration])  # [0]: in force
+        self.params = {m: identity_params(m, self.k) for m in self.methods}
+
+    def reset_calibration(self, calibration: Optional[str] = None, compare: Optional[tuple] = None) -> None:
+        """Forget the window, the live record and every fit (a fresh start for a measurement), and
+        optionally change the method in force and the compared ones."""
+        self._set_methods(calibration or self.calibration, self.methods[1:] if compare is None else compare)
+        self.window.clear(), self.live.clear()
+        self.fitted, self.num_refits, self._since_fit, self._report_t = False, 0, 0, -math.inf
+
+    @property
+    def temps(self) -> np.ndarray:
+        """STS temperatures [K] (ones when STS is not fitted here): the figure reports have shown."""
+        return self.params["sts"] if "sts" in self.params else np.ones(self.k)
+
+    def calibrated_survival(self, raw: np.ndarray, method: Optional[str] = None) -> np.ndarray:
+        """raw confidences [..., K] -> calibrated survival [..., K] (by the method in force unless named)."""
+        m = method or self.calibration
+        return survival(apply_calibration(m, raw, self.params[m]))
 
     # ---- choices ---------------------------------------------------------------------------
     def draft_len(self, num_rows: int) -> int:
@@ -264,8 +313,9 @@ class VerifyPlanner:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
         the positions verified [N] and how many of them were accepted [N]."""
         verified, accepted = np.asarray(verified), np.asarray(accepted)
-        if self.fitted:  # scored now with the temperatures in force (fitted on earlier rounds)
-            a_raw, a_cal = survival(raw), self.calibrated_survival(raw)
+        if self.fitted:  # scored now with the fits in force (made on earlier rounds), every method on the same rounds
+            a_raw = survival(raw)
+            a_cal = np.stack([self.calibrated_survival(raw, m) for m in self.methods], axis=1)  # [N, M, K]
             self.live.extend((a_raw[i], a_cal[i], int(verified[i]), int(accepted[i]))
                              for i in np.nonzero(verified)[0].tolist())
         self.window.extend(zip(raw, verified.tolist(), accepted.tolist()))
@@ -275,7 +325,7 @@ class VerifyPlanner:
 
     def drafter_changed(self) -> None:
         """Another drafter version serves: its confidences are calibrated afresh from its own rounds
-        (the temperatures in force stay until then)."""
+        (the fits in force stay until then)."""
         self.window.clear()
         self.fitted = False
         self._since_fit = 0
@@ -286,17 +336,22 @@ class VerifyPlanner:
         self._rates = self._position_rates(ver, acc)
         if self.method == "ngram":  # its confidences are those rates: as they were when each round ran
             conf = np.where(np.isnan(conf), np.nan, self._rates[None, :])
-        self.temps = fit_sts(conf, ver, acc)
+        for m in self.methods:
+            self.params[m] = fit_calibration(m, conf, ver, acc)
         self.fitted = True
         a = self.calibrated_survival(conf)
         drafted = ~np.isnan(a)  # the mean where drafted: shorter drafts (room, load) say nothing of later positions
-        self.mean_survival = np.where(drafted.any(0), np.nan_to_num(a, nan=0.0).sum(0) / np.maximum(drafted.sum(0), 1), 0.0)
+        mean = np.nan_to_num(a, nan=0.0).sum(0) / np.maximum(drafted.sum(0), 1)
+        self.mean_survival = extrapolate_survival(mean, drafted.sum(0), self.min_position_rounds)
         self._since_fit = 0
         self.num_refits += 1
         self._memo.clear()
 
     def summary(self) -> dict:
-        out = {"temperatures": self.temps.round(3).tolist(), "refits": self.num_refits,
+        out = {"calibration_method": self.calibration,
+               "calibration_params": describe_params(self.calibration, self.params[self.calibration]),
+               "compared_methods": list(self.methods[1:]),
+               "temperatures": self.temps.round(3).tolist(), "refits": self.num_refits,
                "window_rounds": len(self.window), "live_rounds": len(self.live),
                "mean_survival": None if self.mean_survival is None else self.mean_survival.round(4).tolist(),
                "step_cost": self.step_cost.table()}
@@ -304,17 +359,27 @@ class VerifyPlanner:
             self._report, self._report_t = self.calibration_report(), time.monotonic()
         return {**out, **self._report}
 
-    def calibration_report(self) -> dict:
-        """ECE by position of the live rounds, each scored with the temperatures in force when it
-        ran: raw (before), calibrated (after), and the sampling noise floor at this many rounds."""
+    def calibration_report(self, floors: bool = False) -> dict:
+        """ECE by position of the live rounds, each scored with the fits in force when it ran: raw
+        (before), the method in force (after), and the sampling noise floor at this many rounds; the
+        ECE and the Brier score of every compared method on the same rounds (floors: their noise
+        floors too, a few hundred ms at 40,000 rounds)."""
         live = list(self.live)  # a snapshot (the engine thread appends)
         if not live:
             return {}
         a_raw = np.array([x[0] for x in live])
-        a_cal = np.array([x[1] for x in live])
+        a_cal = np.array([x[1] for x in live])  # [n, M, K]
         ver = np.array([x[2] for x in live])
         acc = np.array([x[3] for x in live])
-        return {"ece_before_by_position": [round(e, 4) for e in ece_by_position(a_raw, ver, acc)],
-                "ece_after_by_position": [round(e, 4) for e in ece_by_position(a_cal, ver, acc)],
-                "ece_floor_by_position": [round(e, 4) for e in ece_by_position(a_cal, ver, acc, floor=True)],
-                "rounds_by_position": [int((ver > j).sum()) for j in range(self.k)]}
+        r4 = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+        ece = {m: r4(ece_by_position(a_cal[:, i], ver, acc)) for i, m in enumerate(self.methods)}
+        return {"ece_before_by_position": r4(ece_by_position(a_raw, ver, acc)),
+                "ece_after_by_position": ece[self.calibration],
+                "ece_floor_by_position": r4(ece_by_position(a_cal[:, 0], ver, acc, floor=True)),
+                "rounds_by_position": [int((ver > j).sum()) for j in range(self.k)],
+                "ece_by_method": ece,
+                **({"ece_floor_by_method": {m: r4(ece_by_position(a_cal[:, i], ver, acc, floor=True))
+                                            for i, m in enumerate(self.methods)}} if floors else {}),
+                "brier_by_method": {"raw": r4(brier_by_position(a_raw, ver, acc)),
+                                    **{m: r4(brier_by_position(a_cal[:, i], ver, acc))
+                                       for i, m in enumerate(self.methods)}}}
