@@ -39,6 +39,7 @@ from .sequence import Sequence
 from .speculative.controller import Speculation
 from .step import StepInput, StepOutput
 from .step_builder import build_step_input, expert_capacity
+from .worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ class LLMEngine:
                       sc.max_num_batched_tokens, self.max_model_len, lookahead)
             for _ in range(self.num_groups)
         ]
-        for g in self.schedulers:  # a DSpark drafter needs the target's states of every context token
-            g.cache_skips_speculative = self.speculation is not None and cfg.speculative.method == "dspark"
+        if self.speculation is not None and cfg.speculative.method == "dspark":
+            window = WorkerConfig.of(cfg).context_window  # a DSpark drafter reads the latest rows of its context
+            for g in self.schedulers:
+                g.speculative_window = window
         self.balancer = None
         if self.spec.is_moe:
             self.balancer = ExpertBalancer(cfg, sum(self.spec.moe_layers), self.spec.num_experts,

@@ -65,9 +65,10 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         # prefix caching: prompt tokens looked up at admission, and those found cached
         self.prefix_cache_queries = self.prefix_cache_hits = 0
-        # DSpark drafts from the target's states of every context token, which a cached prefix does not
-        # produce: with it, requests that speculate recompute their prompt (the engine sets this)
-        self.cache_skips_speculative = False
+        # DSpark drafts from the target's states of the latest `speculative_window` context tokens (its
+        # context_window), which a cached prefix does not produce: a request that speculates takes cached
+        # blocks only up to that many tokens before its prompt's end (the engine sets it; None: no limit)
+        self.speculative_window: Optional[int] = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -180,9 +181,11 @@ class Scheduler:
         last token: that one is computed, to sample from). Returns the tokens they hold."""
         if seq.num_computed_tokens or not self.blocks.prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # (prompt log-probabilities need every position's law)
-        if self.cache_skips_speculative and seq.params.speculative:
-            return 0
-        cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
+        limit = seq.num_tokens - 1
+        if self.speculative_window is not None and seq.params.speculative:
+            # the window's rows are computed (a run of at least a window past the gap: the drafter resyncs)
+            limit = max(0, limit - self.speculative_window)
+        cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids, limit)
         seq.num_computed_tokens = cached
         return cached
 

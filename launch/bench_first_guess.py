@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 ARMS = {
     "none": ["speculative.method=none"],
     "draft_model": ["speculative.method=draft_model", "speculative.draft_model=tiny-draft"],
-    "dspark": ["speculative.method=dspark", "speculative.draft_model=tiny-dspark"],
+    "dspark": ["speculative.method=dspark", "speculative.draft_model=tiny-dspark"],  # placement auto: target
+    "dspark_group": ["speculative.method=dspark", "speculative.draft_model=tiny-dspark", "speculative.placement=group"],
 }
 
 
@@ -33,7 +34,7 @@ def one(arm: str, requests: int, out_dir: str) -> dict:
     from dspark_cluster.config import load_config
     from dspark_cluster.runner import run_experiment
 
-    spec = [] if arm == "none" else ARMS[arm] + ["speculative.num_tokens=4", "speculative.schedule=confidence"]
+    spec = [] if arm == "none" else ARMS[arm][1:] + ["speculative.num_tokens=4", "speculative.schedule=confidence"]
     cfg = load_config(str(REPO / "configs/tiny.yaml"), [
         "workload.kind=synthetic", f"workload.num_requests={requests}", "workload.prompt_len=[16,64]",
         "workload.output_len=[64,64]", "workload.temperature=0", f"report.out_dir={out_dir}", *ARMS[arm][:1], *spec])

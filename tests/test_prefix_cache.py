@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from dspark_cluster import LLM, SamplingParams
 from dspark_cluster.async_engine import AsyncEngine
 from dspark_cluster.config import ASSETS_DIR, load_config
@@ -91,9 +93,35 @@ def test_eviction_and_preemption_under_pressure_keep_outputs():
         off.shutdown()
 
 
+@pytest.mark.parametrize("placement", ["target", "group"])
+def test_a_dspark_request_caches_up_to_its_context_window_before_the_prompts_end(placement):
+    """DSpark drafts from the target's states of the latest context_window context tokens: a request that
+    speculates takes cached blocks only up to that many tokens before its prompt's end, computes the rest
+    (the drafter resyncs on that run past the gap), and its output is plain decoding's."""
+    prompts = shared_prompts(3)  # 96 shared tokens, then each its own (106 in all)
+    cfg = {"scheduler": {"block_size": 16, "num_kv_blocks": 256},
+           "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "schedule": "static",
+                           "context_window": 32, "placement": placement}}
+    base = LLM(TINY, config={"scheduler": {"block_size": 16, "num_kv_blocks": 256, "prefix_caching": False}})
+    want = [o.token_ids for o in base.generate(prompts, GREEDY)]
+    base.shutdown()
+    llm = LLM(TINY, config=cfg)
+    try:
+        first = llm.generate(prompts[:1], GREEDY)[0]
+        assert first.metrics["num_cached_tokens"] == 0
+        outs = llm.generate(prompts[1:], GREEDY)
+        # 105 tokens before the last, less the window of 32: 73, i.e. 4 whole blocks of the shared 96
+        assert [o.metrics["num_cached_tokens"] for o in outs] == [64, 64]
+        assert [first.token_ids] + [o.token_ids for o in outs] == want
+        assert all(o.metrics["num_draft_tokens"] > 0 for o in outs)
+    finally:
+        llm.shutdown()
+
+
 def test_speculative_requests_and_prompt_logprobs_skip_the_cache():
-    """DSpark drafts from the target's states of every context token, and prompt log-probabilities
-    need every position's law: such requests compute their whole prompt; the others still reuse."""
+    """DSpark drafts from the target's states of its latest context_window (512 here) context tokens,
+    and prompt log-probabilities need every position's law: such requests compute their whole prompt
+    (shorter than the window); the others still reuse."""
     prompts = shared_prompts(3)
     cfg = {"scheduler": {"block_size": 16, "num_kv_blocks": 256},
            "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "schedule": "static"}}

@@ -113,8 +113,8 @@ class SimEngine:
         self.schedulers = [Scheduler(BlockManager(self.num_blocks, sc.block_size, sc.prefix_caching), sc.max_num_seqs,
                                      sc.max_num_batched_tokens, self.max_model_len, lookahead)
                            for _ in range(self.num_groups)]
-        for g in self.schedulers:  # as the engine: a DSpark drafter needs the target's states of every context token
-            g.cache_skips_speculative = self.speculating and sp.method == "dspark"
+        for g in self.schedulers:  # as the engine: a DSpark drafter reads the latest context_window rows
+            g.speculative_window = drafter.context_window if self.speculating and sp.method == "dspark" else None
         mode = opts.async_scheduling
         self.async_host = (p.executor == "ray" if sc.async_scheduling == "auto" else bool(sc.async_scheduling)) \
             if mode == "auto" else mode == "on"
