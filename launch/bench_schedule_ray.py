@@ -66,6 +66,8 @@ def config(args, drafter=None) -> dict:
     method, _, placement = (drafter or "").partition("@")
     cfg = local_config(args, method or None, args.k, "confidence")
     cfg["parallel"] = {"executor": "ray", "threads_per_worker": args.threads}
+    if args.no_prefix_cache:  # the loads repeat their prompts: plain decoding would skip their prefill
+        cfg["scheduler"]["prefix_caching"] = False
     placement = placement or getattr(args, "placement", None)
     if method and placement:
         cfg["speculative"]["placement"] = placement
@@ -160,6 +162,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker and drafter actor")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
+                         "DSpark request recomputes up to its context window: this isolates speculation)")
     if HAS_PLACEMENT:
         ap.add_argument("--placement", choices=["auto", "target", "group"], default=None,
                         help="speculative.placement of the drafters (default: the config's)")
