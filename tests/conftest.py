@@ -182,3 +182,20 @@ def dspark_proposer(llm):
     if llm.engine.speculation.on_target:
         return llm.engine.executor.worker.drafter.proposer
     return llm.engine.drafter.backend.proposer
+
+
+def rows_by_position(seen) -> dict:
+    """The ContextRows a drafter ingested, as seq_id -> {position: that token's exported row}."""
+    by_seq = {}
+    for rows in seen:
+        for sid, start, h in rows:
+            by_seq.setdefault(sid, {}).update({start + i: h[i] for i in range(h.shape[0])})
+    return by_seq
+
+
+def hf_context_states(hf, seq, layers=(1, 2)) -> torch.Tensor:
+    """transformers' hidden states of `seq` after the given decoder layers (hidden_states[i] is layer
+    i - 1's output), concatenated as a DSpark export: [len(seq), len(layers) * H]."""
+    with torch.no_grad():
+        hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in layers], dim=-1)[0]

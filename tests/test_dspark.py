@@ -7,7 +7,7 @@ import torch
 from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.errors import ConfigError
 
-from conftest import build_dspark, dspark_proposer, random_prompts
+from conftest import build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position
 from test_speculative import small_vocab  # noqa: F401 -- fixture
 from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_verify, full_rounds, law_pvalue, seeded
 
@@ -105,16 +105,11 @@ def test_exported_context_is_the_target_states_of_committed_tokens(placement, ch
     outs = llm.generate(prompts, GREEDY)
     stats = llm.engine.drafter.stats.summary()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # rejections happened
-    by_seq = {}
-    for rows in seen:
-        for sid, start, h in rows:
-            by_seq.setdefault(sid, {}).update({start + i: h[i] for i in range(h.shape[0])})
+    by_seq = rows_by_position(seen)
     hf = hf_model(target)
     for o in outs:
         seq = o.prompt_token_ids + o.token_ids
-        with torch.no_grad():
-            hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        want = torch.cat([hs[1], hs[2]], dim=-1)[0, : len(seq) - 1]
+        want = hf_context_states(hf, seq)[: len(seq) - 1]
         # this request's rows: every token but the last (which the target has not run yet)
         rows = next(r for r in by_seq.values() if torch.allclose(r[0], want[0], atol=1e-4) and len(r) == len(seq) - 1)
         assert sorted(rows) == list(range(len(seq) - 1))

@@ -14,7 +14,7 @@ from dspark_cluster.speculative.context import ContextStash
 from dspark_cluster.speculative.records import ContextRows
 from dspark_cluster.speculative.verify_budget import VerifyPlanner
 
-from conftest import build_dspark, dspark_proposer, random_prompts
+from conftest import build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position
 from test_speculative import small_vocab  # noqa: F401 -- fixture
 from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, law_pvalue, seeded
 
@@ -129,16 +129,11 @@ def test_greedy_identical_after_long_idle_stretches_in_process(placement, target
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
     assert proposer.resyncs > 0 and proposer.misses == 0
-    by_seq = {}
-    for rows in seen:
-        for sid, start, h in rows:
-            by_seq.setdefault(sid, {}).update({start + i: h[i] for i in range(h.shape[0])})
+    by_seq = rows_by_position(seen)
     hf = hf_model(target)
     for o in outs:
         seq = o.prompt_token_ids + o.token_ids
-        with torch.no_grad():
-            hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        want = torch.cat([hs[1], hs[2]], dim=-1)[0]
+        want = hf_context_states(hf, seq)
         rows = next(r for r in by_seq.values()
                     if max(r) < len(seq) - 1 and torch.allclose(r[min(r)], want[min(r)], atol=1e-4))
         assert len(rows) < len(seq) - 1  # rows before a gap never went out
