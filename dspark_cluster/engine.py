@@ -377,7 +377,8 @@ class LLMEngine:
             if not stats["overlapped"] and not step.scheduled_ahead:  # (a drafter on the target drafted inside it)
                 self.speculation.observe_step_cost(
                     max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds),
-                    execute_time - max(o.draft_s for o in outs))
+                    execute_time - max(o.draft_s for o in outs),
+                    stats["step_time_s"] - execute_time if self.async_scheduling else None)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
         self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)

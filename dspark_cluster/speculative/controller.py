@@ -344,9 +344,13 @@ class Speculation:
                 "draft_len": max((s.num_lookahead for sc in scheds for s in sc.scheduled), default=0),
                 "drafter_version": self.drafter_version}
 
-    def observe_step_cost(self, tokens: int, seconds: float) -> None:
+    def observe_step_cost(self, tokens: int, seconds: float, host_s: Optional[float] = None) -> None:
+        """A step that did not overlap another: its tokens and the workers' seconds; host_s, with async
+        scheduling on, the host's seconds in it (what a plain step would have hidden)."""
         if self.planner is not None:
             self.planner.step_cost.observe(tokens, seconds)
+            if host_s is not None:
+                self.planner.observe_host(host_s)
 
     def free(self, seqs, reason, flush: bool = True) -> None:
         """The drafter forgets these sequences (in batches: at its next call, or with flush when the

@@ -203,6 +203,10 @@ class VerifyPlanner:
         # drafting step also pays what they leave out (verification, bookkeeping), and a loss at load is
         # what the schedule must not make (measured: a predicted +2% at batch 8 was a real -23% on this CPU)
         self.draft_margin = 0.1
+        # with async scheduling a plain step is scheduled while the one before runs, so the host's work per
+        # step (scheduling, building, processing: on Ray the Router's) is hidden; a drafting step cannot be
+        # (its drafts come from the step before): it pays that time. Measured on the steps that waited for it
+        self.hidden_host_s = 0.0
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
@@ -294,6 +298,7 @@ class VerifyPlanner:
         ks = np.arange(self.k + 1)
         forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
         cost = self.step_cost(num_rows * (1 + ks)) + forwards * self.draft_cost.per_forward_s(num_rows)
+        cost[1:] += self.hidden_host_s  # a plain step hides the host's work (async scheduling); a drafting one waits
         theta = num_rows * (1 + a) / cost
         k = int(np.argmax(theta))
         if k and theta[k] < theta[0] * (1 + self.draft_margin):  # a gain inside the model's error is a risk
@@ -308,6 +313,11 @@ class VerifyPlanner:
         return choose_verify_lengths(a, base_tokens, base_expected, self.step_cost, draft_s)
 
     # ---- observations ----------------------------------------------------------------------
+    def observe_host(self, seconds: float, alpha: float = 0.05) -> None:
+        """The host's time in a step that did not overlap the workers' (async scheduling on): what a plain
+        step would have hidden."""
+        self.hidden_host_s += alpha * (max(seconds, 0.0) - self.hidden_host_s)
+
     def drafted(self, num_rows: int, k: int, seconds: float) -> None:
         if self.exploring and not self._learning:  # its cost, against the time until the next one
             self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
