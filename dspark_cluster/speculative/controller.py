@@ -281,9 +281,7 @@ class Speculation:
         row of `rows`), ready for the next; a drafter failure there switches speculation off (plain
         decoding from the next step: outputs do not change)."""
         if out.drafter_error is not None:
-            self.drafter.stats.failures += 1
-            log.warning("%s; continuing without speculation", out.drafter_error)
-            self.drafter._drop()
+            self.drafter.fail(out.drafter_error)
             self.ready.clear()
             self.apply(groups)
             return

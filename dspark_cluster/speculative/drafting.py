@@ -505,6 +505,13 @@ class Drafter:
             self.sent[r.seq_id] = r.start + len(r.token_ids)
         return out
 
+    def fail(self, message: str) -> None:
+        """A drafter failure reported from elsewhere (the drafter on the target, in a step's output): drop
+        the group, as a failed call does; requests go on without drafts."""
+        self.stats.failures += 1
+        log.warning("%s; continuing without speculation", message)
+        self._drop()
+
     def _drop(self) -> None:
         self.sent = {}
         self._to_free, self._free_reasons = [], {}
