@@ -689,6 +689,7 @@ def main():
     import ray
 
     t_start = time.perf_counter()
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as the engine's own private instance (ensure_ray)
     ray.init(address="local", num_cpus=8, log_to_driver=False)  # a fresh local instance, even beside another
     res = {"machine": machine(), "loadavg_start": loadavg(), "args": vars(args)}
     try:
