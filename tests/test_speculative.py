@@ -479,6 +479,7 @@ def test_confidence_schedule_is_lossless_with_wrong_confidences(reads, lossless,
     planner.step_cost = _FixedCost([1, 512, 4096], [1 + 1 / 512, 2.0, 9.0])
     planner.refit_every = planner.min_rounds = 10**9  # keep the wrong confidences as they are (no STS fit)
     planner.explore_rows = n  # and draft on every row (without outcomes the schedule would learn on a few only)
+    planner.prior_acceptance = None  # and go on learning whatever the drafter's cost
     _set_confidences(llm, reads)
     spec = llm.generate([LAW_PROMPT] * n, params)
     steps = list(llm.engine.step_stats)

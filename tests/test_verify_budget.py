@@ -292,6 +292,7 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
     with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
         llm.engine.planner.refit_every = 20  # refit within this short run
         llm.engine.planner.min_rounds = 20
+        llm.engine.planner.prior_acceptance = None  # learn at this load (a typical drafter may not pay here)
         outs = llm.generate(bundled_prompts, params)
         assert [o.token_ids for o in outs] == base
         planner = llm.engine.planner
@@ -345,3 +346,16 @@ def test_a_drafting_step_pays_the_host_time_a_plain_step_hides():
         planner.observe_host(0.008)
     planner._memo.clear()
     assert planner.hidden_host_s == pytest.approx(0.008, rel=0.01) and planner.draft_len(8) == 0
+
+
+def test_a_fresh_planner_stops_learning_where_a_typical_drafter_would_not_pay():
+    """No outcomes yet: the first step learns on a few rows; once it has measured the drafter's cost, the
+    planner keeps learning only at a load where a drafter of a typical survival would pay."""
+    planner = VerifyPlanner(4, StepCost([1, 8, 64, 320], [0.002, 0.004, 0.012, 0.05]), "dspark")
+    assert planner.draft_len(48) == 4 and planner.exploring  # learning: nothing is measured yet
+    planner.drafted(4, 4, 0.05)  # the first call computes the prompts' context: slow
+    assert planner.draft_len(48) == 4  # (one call is not a measurement)
+    for _ in range(2):
+        planner.drafted(4, 4, 0.006)  # then 6 ms for 4 rows
+    assert planner.draft_len(48) == 0 and not planner.exploring  # at 48 rows it could not pay
+    assert planner.draft_len(1) == 4 and planner.exploring  # at 1 row it could: keep learning

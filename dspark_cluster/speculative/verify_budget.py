@@ -207,6 +207,10 @@ class VerifyPlanner:
         # step (scheduling, building, processing: on Ray the Router's) is hidden; a drafting step cannot be
         # (its drafts come from the step before): it pays that time. Measured on the steps that waited for it
         self.hidden_host_s = 0.0
+        # before any outcome: a typical drafter's acceptance at each position given the one before (DSpark's
+        # and EAGLE's first positions read 0.7-0.8; a poorer drafter is found out by its outcomes); None:
+        # learn first at any load
+        self.prior_acceptance: Optional[float] = 0.7
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
@@ -282,7 +286,15 @@ class VerifyPlanner:
             return 0
         if self.mean_survival is None:
             # no outcomes yet: learn on a few rows (`explore_rows`, as the exploration below), never on
-            # every row of a loaded step before anything says that drafting pays at that load
+            # every row of a loaded step before anything says that drafting pays at that load; and once the
+            # first learning steps have measured the drafter's cost (3 calls: the first computes whole prompts'
+            # context, a median of 3 leaves it out), only at a load where a drafter of a typical survival
+            # (`prior_acceptance` a position) would pay (else the paced exploration learns)
+            measured = sum(len(q) for q in self.draft_cost.samples.values())
+            if (self.prior_acceptance is not None and measured >= 3
+                    and self._best_k(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1)) == 0):
+                self._since_draft += 1
+                return 0
             self.exploring = self._learning = True  # (learning is not paced as the exploration is)
             return self.k
         if (self._since_draft >= self.explore_every
@@ -294,7 +306,15 @@ class VerifyPlanner:
             self._memo[num_rows] = (memo[0], memo[1] - 1)
             self._since_draft += memo[0] == 0
             return memo[0]
-        a = np.concatenate([[0.0], np.cumsum(self.mean_survival)])  # expected accepted per row with k drafts
+        k = self._best_k(num_rows, self.mean_survival)
+        self._since_draft += k == 0
+        self._memo[num_rows] = (k, self.memo_steps)
+        return k
+
+    def _best_k(self, num_rows: int, mean_survival: np.ndarray) -> int:
+        """The draft length that maximises the expected tokens per second at this load, given the mean
+        survival by position [K]; 0 unless it beats plain decoding by the margin."""
+        a = np.concatenate([[0.0], np.cumsum(mean_survival)])  # expected accepted per row with k drafts
         ks = np.arange(self.k + 1)
         forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
         cost = self.step_cost(num_rows * (1 + ks)) + forwards * self.draft_cost.per_forward_s(num_rows)
@@ -303,8 +323,6 @@ class VerifyPlanner:
         k = int(np.argmax(theta))
         if k and theta[k] < theta[0] * (1 + self.draft_margin):  # a gain inside the model's error is a risk
             k = 0
-        self._since_draft += k == 0
-        self._memo[num_rows] = (k, self.memo_steps)
         return k
 
     def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float) -> np.ndarray:
