@@ -5,6 +5,8 @@
     python launch/train_dspark.py --smoke              # a 1-minute plumbing check
     python launch/train_dspark.py --markov-rank 0 --out /tmp/no-markov      # ablations
     python launch/train_dspark.py --no-confidence --out /tmp/no-confidence
+    python launch/train_dspark.py --init-from dspark_cluster/assets/tiny-dspark --lr 5e-4 --slot-decay 1e9 \
+        --out /tmp/finetuned                                                      # fine-tune, flat slot weights
 
 Data (never the held-out modules, whose prompts measure the drafter): (a) continuations the target
 generates (our own engine, half greedy, half temperature 1) of prompts extracted from the training
@@ -13,7 +15,13 @@ The teacher runs online every step: the target's chosen layers' outputs are the 
 its softmax the law the drafter learns (the drafter never sees a label the target did not give).
 
 Loss (DSpark's): 0.1 CE + 0.9 L1 (= 2 TV) toward the target's law + 1.0 BCE of the confidence
-toward 1 - TV, each weighted exp(-j / 4) along the block, a label hole ending the block.
+toward 1 - TV, each weighted exp(-j / 4) along the block, a label hole ending the block. Options:
+`--slot-decay S` (weights exp(-j / S); 1e9 = flat) or `--slot-weights w0,w1,..` (one per slot),
+`--ce-alpha` / `--l1-alpha` / `--conf-alpha` (the terms' weights), `--kl-alpha` (an added KL(p_target ||
+p_draft), the soft-label cross-entropy toward the target's whole law: at temperature 1 acceptance is 1 - TV
+of the whole law, while the hard-label CE on greedy continuations pulls the draft toward the argmax).
+`--init-from PATH` starts from a saved drafter (its architecture; fine-tuning) instead of random weights;
+the LR schedule still warms up.
 
 DeepSpeed: `deepspeed.initialize` (ZeRO stage 2, torch AdamW, gradient clipping 1.0); the script
 spawns `--ranks` processes (gloo on CPU with DS_ACCELERATOR=cpu, NCCL on GPUs with the same code),
@@ -51,8 +59,10 @@ def parse_args(argv=None):
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=6)
-    ap.add_argument("--markov-rank", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None, help="slots per block (default 6, or --init-from's)")
+    ap.add_argument("--markov-rank", type=int, default=None,
+                    help="rank of the Markov head (default 64, or --init-from's; a larger one than --init-from's widens "
+                         "its Markov head function-preservingly: the new factors' output side starts at zero)")
     ap.add_argument("--no-confidence", action="store_true")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2500)
@@ -66,11 +76,83 @@ def parse_args(argv=None):
     ap.add_argument("--gen-fraction", type=float, default=0.5, help="share of each batch from the continuations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-cache", default=None, help="save/load the tokenised text and continuations here")
+    ap.add_argument("--init-from", default=None,
+                    help="a saved drafter to start from (fine-tuning): its architecture (context layers, width, "
+                         "depth, heads, Markov rank, confidence head) replaces the flags'; --block-size may differ")
+    ap.add_argument("--slot-decay", type=float, default=4.0,
+                    help="loss weight exp(-j / S) of block slot j (default 4; 1e9: flat)")
+    ap.add_argument("--slot-weights", default=None,
+                    help="comma-separated loss weight per slot (overrides --slot-decay), e.g. 1,1,1,1,0.5,0.25")
+    ap.add_argument("--ce-alpha", type=float, default=0.1, help="hard-label CE weight")
+    ap.add_argument("--l1-alpha", type=float, default=0.9, help="L1 (= 2 TV) toward the target's law weight")
+    ap.add_argument("--conf-alpha", type=float, default=1.0, help="confidence BCE weight")
+    ap.add_argument("--kl-alpha", type=float, default=0.0, help="added KL(p_target || p_draft) weight (default off)")
+    ap.add_argument("--gen-per-module", type=int, default=4, help="prompts per training module for the continuations")
+    ap.add_argument("--gen-t1-share", type=float, default=None,
+                    help="share of the continuation samples drawn from the temperature-1 ones (default: uniform "
+                         "over all continuations, i.e. ~half)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.minutes, args.gen_prompts, args.gen_tokens, args.batch = 6, 1.0, 8, 32, 2
+    if args.init_from:
+        from dspark_cluster.speculative.dspark_model import DSparkConfig
+
+        ic = DSparkConfig.load(pathlib.Path(args.init_from) / "config.json")
+        args.layers = ",".join(str(i) for i in ic.target_layer_ids)
+        args.hidden, args.num_layers, args.heads = ic.hidden_size, ic.num_layers, ic.num_heads
+        args.intermediate, args.no_confidence = ic.intermediate_size, not ic.confidence_head
+        if args.markov_rank is None:
+            args.markov_rank = ic.markov_rank
+        elif not ic.markov_rank or args.markov_rank < ic.markov_rank:
+            raise SystemExit(f"--markov-rank {args.markov_rank}: --init-from's rank {ic.markov_rank} can only be widened")
+        if args.block_size is None:
+            args.block_size = ic.block_size
+    if args.block_size is None:
+        args.block_size = 6
+    if args.markov_rank is None:
+        args.markov_rank = 64
     return args
+
+
+def widen_markov(state: dict, fresh: dict) -> dict:
+    """A saved drafter's state with its Markov head widened to `fresh`'s rank, the same function: the new
+    rows of P (markov_in) keep `fresh`'s random init, the new columns of Q (markov_out) and the confidence
+    head's weights on the new inputs are zero."""
+    state = dict(state)
+    r0, r = state["markov_in.weight"].shape[0], fresh["markov_in.weight"].shape[0]
+    if r0 == r:
+        return state
+    w = fresh["markov_in.weight"].clone()
+    w[:r0] = state["markov_in.weight"]
+    state["markov_in.weight"] = w
+    w = torch.zeros_like(fresh["markov_out.weight"])
+    w[:, :r0] = state["markov_out.weight"]
+    state["markov_out.weight"] = w
+    if "confidence.weight" in state:
+        old = state["confidence.weight"]
+        w = torch.zeros_like(fresh["confidence.weight"])
+        w[:, : old.shape[1]] = old
+        state["confidence.weight"] = w
+    return state
+
+
+def slot_weights(args, S: int) -> torch.Tensor:
+    """The loss weight of each block slot: --slot-weights, else exp(-j / --slot-decay)."""
+    if args.slot_weights:
+        w = [float(x) for x in args.slot_weights.split(",")]
+        if len(w) != S:
+            raise SystemExit(f"--slot-weights has {len(w)} values for a block of {S} slots")
+        return torch.tensor(w)
+    return torch.exp(-torch.arange(S).float() / args.slot_decay)
+
+
+def slot_weighting_text(args, S: int) -> str:
+    if args.slot_weights:
+        return f"weighted {args.slot_weights} by slot"
+    if args.slot_decay >= 1e6:
+        return "flat over the slots"
+    return f"weighted exp(-j/{args.slot_decay:g}) by slot"
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -86,7 +168,8 @@ def training_text_ids(tok) -> list[int]:
     return ids
 
 
-def generate_continuations(target: str, tok, n: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
+def generate_continuations(target: str, tok, n: int, max_tokens: int, seed: int,
+                           per_module: int = 4) -> list[tuple[list[int], int]]:
     """(prompt + continuation ids, prompt length) for prompts of the training modules, continued by
     the target itself (half greedy, half temperature 1)."""
     from train_tiny_models import extract_prompts, load_corpus
@@ -94,7 +177,7 @@ def generate_continuations(target: str, tok, n: int, max_tokens: int, seed: int)
     from dspark_cluster import LLM, SamplingParams
 
     train, _ = load_corpus()
-    prompts = [c["prompt"] for c in extract_prompts(train, n, per_module=4)]
+    prompts = [c["prompt"] for c in extract_prompts(train, n, per_module=per_module)]
     llm = LLM(target, config={"scheduler": {"max_num_seqs": 64}})
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 == 0 else 1.0, seed=seed + i,
                              ignore_eos=True) for i in range(len(prompts))]
@@ -107,11 +190,17 @@ def batches(text_ids, generated, args, rank: int):
     """Endless (tokens [B, T], loss_mask [B, T]) batches: half generated samples, half text windows."""
     rng = random.Random(args.seed * 1000 + rank)
     T = args.window
+    # generate_continuations alternates greedy (even index) and temperature 1 (odd index)
+    pools = [generated[0::2], generated[1::2]] if generated else None
     while True:
         toks, masks = [], []
         for b in range(args.batch):
             if generated and rng.random() < args.gen_fraction:
-                ids, plen = generated[rng.randrange(len(generated))]
+                if args.gen_t1_share is None:
+                    ids, plen = generated[rng.randrange(len(generated))]
+                else:
+                    pool = pools[1] if rng.random() < args.gen_t1_share else pools[0]
+                    ids, plen = pool[rng.randrange(len(pool))]
                 start = max(0, min(plen - T // 2, len(ids) - T))
                 win = ids[start : start + T]
                 mask = [start + i >= plen for i in range(len(win))]
@@ -192,6 +281,16 @@ def train_rank(rank: int, args, port: int, data) -> None:
                      target={"name": pathlib.Path(args.target).name, "num_layers": tcfg.num_hidden_layers,
                              "embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
     drafter = DSparkDrafter(c)
+    if args.init_from:  # fine-tuning: the saved drafter's weights (fp16 on disk, upcast), the same on every rank
+        from safetensors.torch import load_file
+
+        state = {k: v.float() for k, v in load_file(str(pathlib.Path(args.init_from) / "model.safetensors")).items()}
+        state = widen_markov(state, drafter.state_dict())
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"--init-from {args.init_from}: tensors missing {missing[:4]} / unexpected {unexpected[:4]}")
+        if rank == 0:
+            print(f"initialised from {args.init_from}", flush=True)
     drafter.set_target_tables(embed, head)
     teacher.model.to(device)
     drafter.to(device).train()
@@ -209,6 +308,7 @@ def train_rank(rank: int, args, port: int, data) -> None:
     stream = batches(text_ids, generated, args, rank)
     gen = torch.Generator().manual_seed(args.seed * 7 + rank)
     S = c.block_size
+    w_slot = slot_weights(args, S).to(device)
     t0, hist, step = time.time(), [], 0
     if rank == 0:
         print(f"drafter: {num_params(drafter):,} trainable parameters; {args.ranks} rank(s), DeepSpeed ZeRO-2", flush=True)
@@ -227,13 +327,23 @@ def train_rank(rank: int, args, port: int, data) -> None:
         anchors = sample_anchors(loss_mask.cpu(), args.anchors, gen).to(device)
         z, conf = engine.module.forward_train(tokens, ctx, anchors)
         label_pos, weight = block_weights(anchors, tokens.shape[1], S, loss_mask=loss_mask)
+        valid = weight > 0
+        weight = valid * w_slot  # the slot weighting of the options (default exp(-j/4), block_weights')
         B, A = anchors.shape
         flat = label_pos.reshape(B, A * S)
         labels = tokens.gather(1, flat).reshape(-1)
         # the target's law for the token at label_pos comes from its logits one position earlier
         pt = p_target.gather(1, (flat - 1)[..., None].expand(-1, -1, p_target.shape[-1])).reshape(-1, p_target.shape[-1])
         loss, m = dspark_loss(z.reshape(-1, z.shape[-1]), None if conf is None else conf.reshape(-1), labels, pt,
-                              weight.reshape(-1))
+                              weight.reshape(-1), ce_alpha=args.ce_alpha, l1_alpha=args.l1_alpha,
+                              conf_alpha=args.conf_alpha)
+        if args.kl_alpha:
+            wf = weight.reshape(-1)
+            logq = z.reshape(-1, z.shape[-1]).log_softmax(-1)
+            kl = (pt * (pt.clamp(min=1e-12).log() - logq)).sum(-1)
+            kl_mean = (kl * wf).sum() / wf.sum().clamp(min=1e-6)
+            loss = loss + args.kl_alpha * kl_mean
+            m["kl"] = float(kl_mean.detach())
         engine.backward(loss)
         engine.step()
         step += 1
@@ -243,7 +353,6 @@ def train_rank(rank: int, args, port: int, data) -> None:
                 q = z.float().softmax(-1)
                 ptv = pt.view(B, A, S, -1)
                 acc = (1 - 0.5 * (q - ptv).abs().sum(-1)).clamp(0, 1)
-                valid = weight > 0
                 by_slot = [(acc[..., j][valid[..., j]].mean().item()) for j in range(S)]
                 tau = 1 + sum(math.prod(by_slot[: j + 1]) for j in range(S))
             row = {"step": step, "min": round((time.time() - t0) / 60, 2), "loss": round(loss.item(), 4),
@@ -255,10 +364,26 @@ def train_rank(rank: int, args, port: int, data) -> None:
         drafter = engine.module.eval()
         size = save_drafter(drafter, args.out)
         info = {"steps": step, "minutes": round((time.time() - t0) / 60, 2), "ranks": args.ranks,
-                "params": num_params(drafter), "bytes": size, "history": hist}
+                "params": num_params(drafter), "bytes": size, "continuations": len(data[1]), "history": hist}
+        if args.init_from:
+            info["init_training"] = init_training_text(pathlib.Path(args.init_from))
         write_card(pathlib.Path(args.out), vars(args), info)
         print(f"saved {args.out}: {size:,} bytes, {step} steps in {info['minutes']} min", flush=True)
     torch.distributed.barrier()
+
+
+def init_training_text(path: pathlib.Path) -> str:
+    """One line on how the drafter at `path` was trained (its training.json), for a fine-tune's card."""
+    try:
+        t = json.loads((path / "training.json").read_text())
+    except (OSError, ValueError):
+        return "unknown (no training.json)"
+    line = f"{t.get('steps')} steps in {t.get('minutes')} min"
+    if t.get("argv") is not None:
+        line += f", `{' '.join(t['argv']) or '(defaults)'}`"
+    if t.get("init_training"):
+        line += f", itself fine-tuned from a drafter trained {t['init_training']}"
+    return line
 
 
 def write_card(out: pathlib.Path, args: dict, info: dict) -> None:
@@ -268,13 +393,25 @@ def write_card(out: pathlib.Path, args: dict, info: dict) -> None:
     c = DSparkConfig.load(out / "config.json")
     hist = info["history"]
     pick = hist[:: max(1, len(hist) // 12)] + ([hist[-1]] if hist and hist[-1] not in hist[:: max(1, len(hist) // 12)] else [])
+    S = c.block_size
+    wtext = slot_weighting_text(argparse.Namespace(**args), S)
+    loss_text = (f"{args['ce_alpha']:g} CE + {args['l1_alpha']:g} L1 (= {2 * args['l1_alpha']:g} TV) toward tiny-moe's law"
+                 + (f" + {args['kl_alpha']:g} KL(tiny-moe's law || draft law)" if args['kl_alpha'] else "")
+                 + (f" + {args['conf_alpha']:g} BCE of the confidence toward 1 - TV" if c.confidence_head else "")
+                 + f", {wtext}")
+    init_text = ""
+    if args.get("init_from"):
+        init_text = (f"\nFine-tuned from `{pathlib.Path(args['init_from']).name}` (`--init-from {args['init_from']}`;"
+                     f" that drafter's own training: {info.get('init_training', 'see its card')}).")
+    t1_text = (f"; {args['gen_t1_share']:.0%} of the continuation samples drawn from the temperature-1 ones"
+               if args.get("gen_t1_share") is not None else "")
     rows = "\n".join(f"| {h['step']} | {h['min']} | {h['loss']} | {h['ce']} | {h['tv']} | {h.get('bce', '-')} | "
                      f"{' '.join(str(a) for a in h['accept_by_slot'])} | {h['tau_est']} |" for h in pick)
     out.joinpath("README.md").write_text(f"""# tiny-dspark
 
 A DSpark drafter (DeepSeek's DSpark: parallel block drafting on the target's hidden states, a
 low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
-`launch/train_dspark.py` with DeepSpeed (ZeRO stage 2, {info['ranks']} rank(s), gloo on CPU).
+`launch/train_dspark.py` with DeepSpeed (ZeRO stage 2, {info['ranks']} rank(s), gloo on CPU).{init_text}
 
 - Context: outputs of tiny-moe's decoder layers {c.target_layer_ids} (of {c.target.get('num_layers')}),
   concatenated ({len(c.target_layer_ids)} x {c.target_hidden_size}) and fused to width {c.hidden_size}.
@@ -289,11 +426,10 @@ low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
 Training: {info['steps']} steps in {info['minutes']} min (wall time, a 2-core CPU machine), batch
 {args['batch']} windows of {args['window']} tokens per rank, {args['anchors']} blocks per window, AdamW
 (lr {args['lr']}, warmup 4%, cosine), gradient clipping 1.0. Data: continuations tiny-moe generated
-({args['gen_prompts']} prompts from the training modules, {args['gen_tokens']} tokens, half greedy, half
-temperature 1) and windows of the training text; never the held-out modules. Loss: 0.1 CE + 0.9 L1
-(= 1.8 TV) toward tiny-moe's law + 1.0 BCE of the confidence toward 1 - TV, weighted exp(-j/4) by slot.
+({info.get('continuations', args['gen_prompts'])} prompts from the training modules, {args['gen_tokens']} tokens, half greedy, half
+temperature 1{t1_text}) and windows of the training text; never the held-out modules. Loss: {loss_text}.
 
-Reproduce: `python launch/train_dspark.py` (defaults; command line: `{' '.join(sys.argv[1:]) or '(none)'}`).
+Reproduce: `python launch/train_dspark.py {' '.join(sys.argv[1:])}`{' (defaults)' if len(sys.argv) < 2 else ''}.
 
 Training curve (accept_by_slot: mean 1 - TV per slot on the batch, teacher-forced; tau_est = 1 + sum of
 their cumulative products):
@@ -302,7 +438,7 @@ their cumulative products):
 |---|---|---|---|---|---|---|---|
 {rows}
 """)
-    (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    (out / "training.json").write_text(json.dumps({**info, "args": args, "argv": sys.argv[1:]}, indent=1) + "\n")
 
 
 def main(argv=None):
@@ -320,7 +456,8 @@ def main(argv=None):
         text_ids = training_text_ids(tok)
         print(f"training text: {len(text_ids):,} tokens ({time.time() - t0:.0f} s)", flush=True)
         t1 = time.time()
-        generated = generate_continuations(args.target, tok, args.gen_prompts, args.gen_tokens, args.seed) if args.gen_prompts else []
+        generated = (generate_continuations(args.target, tok, args.gen_prompts, args.gen_tokens, args.seed,
+                                            args.gen_per_module) if args.gen_prompts else [])
         print(f"target continuations: {len(generated)} x {args.gen_tokens} tokens ({time.time() - t1:.0f} s)", flush=True)
         data = (text_ids, generated)
         if args.data_cache:
