@@ -52,6 +52,7 @@ class Drafter:
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the drafter world and load this rank's shard of the draft model. Returns report()."""
+        from dspark_cluster.heap import freeze_heap
         from dspark_cluster.speculative.proposers import make_proposer
         from parallel.comm import TensorParallelComm
         from parallel.state import init_parallel
@@ -65,6 +66,7 @@ class Drafter:
                                    backend, self.device)
         self.comm = TensorParallelComm(self.state)
         self.proposer = make_proposer(cfg, cfg.target_spec, self.device, self.comm)
+        freeze_heap()  # start-up's objects: no full collection walks them during serving
         return self.report()
 
     def report(self) -> dict:

@@ -27,6 +27,7 @@ from .config import Config
 from .cost import CostMeter
 from .errors import EngineError, RequestError, StepError, WorkerError
 from .executor import make_executor
+from .heap import freeze_heap, unfreeze_heap
 from .input_processor import InputProcessor, load_tokenizer
 from .kv_cache import BlockManager
 from .model.compiled import bucket_of, decode_buckets, resolve_compile
@@ -148,6 +149,7 @@ class LLMEngine:
         self._scheduling = None  # the step being submitted (to fail its requests if that fails)
         self.meter = CostMeter(cfg, self.num_groups)
         self._usage_at_start = self.usage()
+        freeze_heap()  # what start-up left alive: no full collection walks it again (heap.py)
 
     @property
     def drafter(self):
@@ -499,4 +501,5 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.shutdown()
         self.executor.shutdown()
+        unfreeze_heap()  # the engine's objects can be collected again (heap.py)
 

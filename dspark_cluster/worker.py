@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
+from .heap import freeze_heap, unfreeze_heap
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
 from .model.compiled import CompiledDecode, resolve_compile
 from .model.loader import load_model
@@ -146,6 +147,7 @@ class Worker:
         if resolve_compile(self.cfg.model.compile, self.device):
             self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device)
             self.compiled.warm_up()
+        freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)
 
     # -- the step --------------------------------------------------------------------------------
@@ -215,6 +217,7 @@ class Worker:
         return self.state.stats.snapshot() if self.state is not None else {}
 
     def shutdown(self) -> None:
+        unfreeze_heap()
         self.model = None
         self.migration = None
         self.drafter = None

@@ -258,3 +258,26 @@ def test_metadata_on_its_device_is_not_copied():
         same = meta.to("cpu", torch.float32)
     assert same is meta and not c.ops
     assert meta.to("cpu", torch.float64).batches[0].attn_mask.dtype == torch.float64
+
+
+def test_start_up_freezes_the_heap_and_shutdown_lets_it_be_collected():
+    """A full garbage collection over start-up's objects (~340k) took 172 ms inside a ~5 ms decode step:
+    start-up freezes them, so a collection during serving walks only what was allocated since; shutdown
+    unfreezes, so an engine stopped in a process that goes on can be collected."""
+    import gc
+    import weakref
+
+    from dspark_cluster import LLM, SamplingParams
+
+    gc.unfreeze()
+    llm = LLM(str(TINY_MOE), config={"model": {"dtype": "float32"}})
+    model = weakref.ref(llm.engine.executor.worker.model)
+    frozen = gc.get_freeze_count()
+    assert frozen > 50_000  # the model, transformers', the tokenizer's objects
+    assert len(gc.get_objects()) < frozen / 10  # what a full collection walks now
+    llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0))
+    llm.shutdown()
+    assert gc.get_freeze_count() == 0
+    del llm
+    gc.collect()
+    assert model() is None
