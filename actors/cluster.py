@@ -256,7 +256,7 @@ class Cluster:
         lost is told apart only so: its peers' collectives fail at once (connection reset) while the
         GCS still has the host's workers ALIVE until its health checks of the host's raylet run out
         (seconds to tens of seconds)."""
-        if not isinstance(ref, list):  # a compiled graph's round (one node only): the GCS's word alone
+        if self.compiled:  # a compiled graph's round (one node only; its refs are not ray.wait's): the GCS's word alone
             return True
         _, pending = self._ray.wait(ref, num_returns=len(ref), timeout=grace_s)
         if pending:

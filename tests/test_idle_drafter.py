@@ -245,12 +245,16 @@ def test_greedy_identical_through_ray_after_idle_stretches(target, drafter, prom
         params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
         base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts[:2], params)]
         stop, toggles = threading.Event(), []
+        start = ray.get(llm.router.stats.remote())["steps"]
 
-        def toggle():  # the run-time switch, as an operator flips it (the Router applies it between steps)
-            on = True
-            while not stop.is_set():
-                time.sleep(0.25 if on else 0.6)
-                on = not on
+        def toggle():  # the run-time switch, as an operator flips it (the Router applies it between steps),
+            # at step counts rather than times (a fast machine would finish first): off for 20 steps, longer
+            # than the window; 120 tokens take at least 40 steps at k = 4 with these switches
+            for at, on in ((5, False), (25, True), (35, False), (55, True)):
+                while not stop.is_set() and ray.get(llm.router.stats.remote())["steps"] - start < at:
+                    time.sleep(0.005)
+                if stop.is_set():
+                    return
                 ray.get(llm.router.set_speculation.remote(on))
                 toggles.append(on)
 
