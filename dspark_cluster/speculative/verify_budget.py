@@ -221,6 +221,7 @@ class VerifyPlanner:
         self._explore_s = 0.0  # what the last exploring step cost
         self._last_draft_t = 0.0
         self._memo: dict[int, tuple[int, int]] = {}  # rows -> (draft length, uses left)
+        self._prior_memo: dict[int, tuple[int, int]] = {}  # the same, at the prior survival (no outcomes yet)
         self.memo_steps = 8
         self.mean_survival: Optional[np.ndarray] = None  # [K] calibrated, over the window
         self._since_fit = 0
@@ -291,8 +292,7 @@ class VerifyPlanner:
             # context, a median of 3 leaves it out), only at a load where a drafter of a typical survival
             # (`prior_acceptance` a position) would pay (else the paced exploration learns)
             measured = sum(len(q) for q in self.draft_cost.samples.values())
-            if (self.prior_acceptance is not None and measured >= 3
-                    and self._best_k(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1)) == 0):
+            if self.prior_acceptance is not None and measured >= 3 and self._prior_k(num_rows) == 0:
                 self._since_draft += 1
                 return 0
             self.exploring = self._learning = True  # (learning is not paced as the exploration is)
@@ -309,6 +309,17 @@ class VerifyPlanner:
         k = self._best_k(num_rows, self.mean_survival)
         self._since_draft += k == 0
         self._memo[num_rows] = (k, self.memo_steps)
+        return k
+
+    def _prior_k(self, num_rows: int) -> int:
+        """_best_k at the prior survival, reused for memo_steps steps of the same load (it runs every step
+        while nothing is drafted; the drafter's and the step's cost estimates move slowly)."""
+        memo = self._prior_memo.get(num_rows)
+        if memo is not None and memo[1] > 0:
+            self._prior_memo[num_rows] = (memo[0], memo[1] - 1)
+            return memo[0]
+        k = self._best_k(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1))
+        self._prior_memo[num_rows] = (k, self.memo_steps)
         return k
 
     def _best_k(self, num_rows: int, mean_survival: np.ndarray) -> int:
