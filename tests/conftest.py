@@ -177,6 +177,27 @@ def build_dspark(target_path, out_dir, **kw):
     return random_drafter(target_path, out_dir, **kw)
 
 
+# The DSpark placement and idle-drafter tests (test_draft_on_target, test_idle_drafter): the deepseek_v3
+# checkpoint, one random DSpark drafter of it reading layers 0 and 1, and plain decoding's greedy tokens of
+# the requesting module's `prompts` (block size 4, as those modules' speculative configs)
+@pytest.fixture(scope="session")
+def target(checkpoint):
+    return checkpoint("deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def drafter(target, tmp_path_factory):
+    return build_dspark(target, tmp_path_factory.mktemp("dspark-dsv3"), layers=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    from dspark_cluster import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, greedy)]
+
+
 def dspark_proposer(llm):
     """An in-process engine's DSpark proposer: the drafter group's, or (placement target) the worker's."""
     if llm.engine.speculation.on_target:

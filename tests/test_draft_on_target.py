@@ -14,7 +14,7 @@ import pytest
 
 from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
 
-from conftest import build_dspark, dspark_proposer, random_prompts
+from conftest import dspark_proposer, random_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -26,23 +26,8 @@ def target_config(draft, k=4, schedule="static", **parallel):
 
 
 @pytest.fixture(scope="module")
-def target(checkpoint):
-    return checkpoint("deepseek_v3")
-
-
-@pytest.fixture(scope="module")
-def drafter(target, tmp_path_factory):
-    return build_dspark(target, tmp_path_factory.mktemp("dspark-on-target"), layers=(0, 1))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return random_prompts([5, 17, 9, 3, 12], seed=51)
-
-
-@pytest.fixture(scope="module")
-def plain(target, prompts):
-    return [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
 
 
 def test_placement_resolves_and_is_checked(drafter):

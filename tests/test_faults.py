@@ -309,13 +309,3 @@ def test_kill_9_of_a_shard_worker_mid_stream_loses_nothing(checkpoint, ray_clust
     finally:
         llm.shutdown()
 
-
-def test_a_compiled_graphs_failed_round_is_judged_by_the_gcs_alone():
-    """A compiled graph's round is a list of CompiledDAGRefs, which ray.wait refuses: a rank's own error
-    in it (e.g. gloo's connection reset when a peer was killed) must not be asked of ray.wait (it raised
-    TypeError, and a lost worker failed its requests instead of restarting the workers)."""
-    from types import SimpleNamespace
-
-    from actors.cluster import Cluster
-
-    assert Cluster._all_answered(SimpleNamespace(compiled=True), [object(), object()])

@@ -46,23 +46,8 @@ def idle_config(draft, k=4, window=4, placement="group", **parallel):
 
 
 @pytest.fixture(scope="module")
-def target(checkpoint):
-    return checkpoint("deepseek_v3")
-
-
-@pytest.fixture(scope="module")
-def drafter(target, tmp_path_factory):
-    return build_dspark(target, tmp_path_factory.mktemp("dspark-idle"), layers=(0, 1))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return random_prompts([5, 17, 9, 3], seed=47)
-
-
-@pytest.fixture(scope="module")
-def plain(target, prompts):
-    return [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
 
 
 def count_calls(llm) -> dict:

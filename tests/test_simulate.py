@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -408,6 +409,12 @@ def test_simulated_idle_drafter_exports_nothing_and_catches_up(tmp_path):
     assert static_bytes > 0.5 * static_tokens * 2 * 256 * 4  # ~every row: 2 layers x hidden 256 x fp32
     # the schedule learns on 4 rows (they export), then drafts and exports nothing
     assert idle_bytes < 0.4 * static_bytes
+    # and the planner's exploration is paced in simulated time: the same run again, however slow this
+    # machine is meanwhile, explores as often
+    time.sleep(0.2)
+    cfg = load_config(None, [*base, "speculative.schedule=confidence"])
+    again = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.02, 0.01, 0.005, 0.001]}), write=False)
+    assert again["cost"]["comm_bytes"]["hidden_state_export"] == idle_bytes
 
 
 def test_simulated_drafter_on_the_target_has_no_devices_and_exports_nothing(tmp_path):

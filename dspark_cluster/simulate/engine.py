@@ -155,6 +155,7 @@ class SimEngine:
                                       **{k: v for k, v in self.step_kw.items()
                                          if k in ("overlap", "async_host", "dispatch")})
                 self.planner = VerifyPlanner(sp.num_tokens, StepCost(xs, ys), sp.method)
+                self.planner.clock = lambda: self.now  # its exploration paced in simulated time
         # experts: routing draws, the placement, the balancer's window
         self.moe = self.shapes.num_moe_layers > 0 and self.topo.world > 1
         self.traffic = None

@@ -220,6 +220,7 @@ class VerifyPlanner:
         self.explore_share = 0.002
         self._explore_s = 0.0  # what the last exploring step cost
         self._last_draft_t = 0.0
+        self.clock = time.monotonic  # the exploration's pacing clock (the simulator gives its virtual one)
         self._memo: dict[int, tuple[int, int]] = {}  # rows -> (draft length, uses left)
         self._prior_memo: dict[int, tuple[int, int]] = {}  # the same, at the prior survival (no outcomes yet)
         self.memo_steps = 8
@@ -298,7 +299,7 @@ class VerifyPlanner:
             self.exploring = self._learning = True  # (learning is not paced as the exploration is)
             return self.k
         if (self._since_draft >= self.explore_every
-                and time.monotonic() - self._last_draft_t >= self._explore_s / self.explore_share):
+                and self.clock() - self._last_draft_t >= self._explore_s / self.explore_share):
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
             return self.k
         memo = self._memo.get(num_rows)
@@ -351,7 +352,8 @@ class VerifyPlanner:
         if self.exploring and not self._learning:  # its cost, against the time until the next one
             self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
         self._since_draft = 0
-        self._last_draft_t = time.monotonic()
+        self._last_draft_t = self.clock()
+        self._prior_memo.clear()  # the drafter's cost measured again: the prior gate decides afresh
         self.draft_cost.observe(num_rows, draft_forwards(self.method, k), seconds)
 
     def observe(self, raw: np.ndarray, verified, accepted) -> None:
