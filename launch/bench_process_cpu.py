@@ -2,7 +2,7 @@
 serves batches of held-out prompts, per policy, one engine at a time (issue 28: does an idle drafter
 actor cost anything?).
 
-    python launch/probe_process_cpu.py [--arms plain,draft_model,plain,draft_model] [--batch 64] [--runs 4]
+    python launch/bench_process_cpu.py [--arms plain,draft_model,plain,draft_model] [--batch 64] [--runs 4]
 
 An arm is `plain` or a drafter as launch/bench_schedule_ray.py names it (dspark, dspark@group,
 draft_model, ...), with its config (confidence schedule, k = 6, one torch thread an actor, prefix
