@@ -6,14 +6,16 @@ actor cost anything?).
 
 An arm is `plain` or a drafter as launch/bench_schedule_ray.py names it (dspark, dspark@group,
 draft_model, ...), with its config (confidence schedule, k = 6, one torch thread an actor, prefix
-caching off). Per arm: output tok/s of each of --runs batches, and the five busiest processes (cores,
-from psutil's user + system time) over 3 s idle and over the runs.
+caching off). Per arm: output tok/s of each of --runs batches, the median step of one more run of the
+same requests (an engine instance's own pace: on a shared VM some run slow for their whole life), and
+the five busiest processes (cores, from psutil's user + system time) over 3 s idle and over the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -28,7 +30,7 @@ import torch  # noqa: E402
 from dspark_cluster import SamplingParams  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 from launch.bench_schedule import timed  # noqa: E402
-from launch.bench_schedule_ray import Engine, config  # noqa: E402
+from launch.bench_schedule_ray import Engine, config, requests  # noqa: E402
 
 
 def cpu_seconds() -> dict:
@@ -73,9 +75,12 @@ def main():
                 a, t0 = cpu_seconds(), time.perf_counter()
                 tok = [timed(e.llm, prompts, params) for _ in range(args.runs)]
                 busy = busiest(a, cpu_seconds(), time.perf_counter() - t0)
+                steps = e.run(requests(args.batch, 0.0, args.max_tokens))["step_records"]  # this engine's own pace
+                median_ms = 1e3 * statistics.median(s["step_time_s"] for s in steps)
             finally:
                 e.llm.shutdown()
-            print(f"{arm}: tok/s {[round(x) for x in tok]}\n  idle: {idle}\n  busy: {busy}", flush=True)
+            print(f"{arm}: tok/s {[round(x) for x in tok]}, median step {median_ms:.2f} ms\n  idle: {idle}\n"
+                  f"  busy: {busy}", flush=True)
     finally:
         ray.shutdown()
 

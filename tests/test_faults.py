@@ -308,4 +308,3 @@ def test_kill_9_of_a_shard_worker_mid_stream_loses_nothing(checkpoint, ray_clust
         assert [o.token_ids for o in again] == base[:2]
     finally:
         llm.shutdown()
-

@@ -302,25 +302,23 @@ class VerifyPlanner:
                 and self.clock() - self._last_draft_t >= self._explore_s / self.explore_share):
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
             return self.k
-        memo = self._memo.get(num_rows)
-        if memo is not None and memo[1] > 0:  # the same load decided lately: reuse (this runs every step)
-            self._memo[num_rows] = (memo[0], memo[1] - 1)
-            self._since_draft += memo[0] == 0
-            return memo[0]
-        k = self._best_k(num_rows, self.mean_survival)
+        k = self._memoised(self._memo, num_rows, self.mean_survival)
         self._since_draft += k == 0
-        self._memo[num_rows] = (k, self.memo_steps)
         return k
 
     def _prior_k(self, num_rows: int) -> int:
-        """_best_k at the prior survival, reused for memo_steps steps of the same load (it runs every step
-        while nothing is drafted; the drafter's and the step's cost estimates move slowly)."""
-        memo = self._prior_memo.get(num_rows)
-        if memo is not None and memo[1] > 0:
-            self._prior_memo[num_rows] = (memo[0], memo[1] - 1)
-            return memo[0]
-        k = self._best_k(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1))
-        self._prior_memo[num_rows] = (k, self.memo_steps)
+        """_best_k at the prior survival (no outcomes yet)."""
+        return self._memoised(self._prior_memo, num_rows, self.prior_acceptance ** np.arange(1, self.k + 1))
+
+    def _memoised(self, memo: dict, num_rows: int, mean_survival: np.ndarray) -> int:
+        """_best_k, reused for memo_steps steps of the same load (it runs every step, and the estimates
+        move slowly; a refit clears the learned memo, a new drafter cost measurement the prior's)."""
+        got = memo.get(num_rows)
+        if got is not None and got[1] > 0:
+            memo[num_rows] = (got[0], got[1] - 1)
+            return got[0]
+        k = self._best_k(num_rows, mean_survival)
+        memo[num_rows] = (k, self.memo_steps)
         return k
 
     def _best_k(self, num_rows: int, mean_survival: np.ndarray) -> int:
