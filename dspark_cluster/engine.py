@@ -60,6 +60,11 @@ class _InFlight:
     ahead_ok: bool  # built for async scheduling: the next step may take its tokens as inputs
     processed: bool = False  # its tokens were handed to the scheduler
     scheduled_ahead: bool = False  # submitted while the step before it ran (its wait includes that one)
+    submitted_at: float = 0.0  # perf_counter when its submission began
+    # submitted right after the step before it was processed (it verified drafts, so it could not be
+    # scheduled ahead): the host's seconds from that step's output to this submission
+    early_host_s: Optional[float] = None
+    done_at: float = 0.0  # perf_counter when its output was in
 
 
 def _token_logprobs(rows, sampled: dict, out: StepOutput) -> dict:
@@ -239,6 +244,8 @@ class LLMEngine:
                 if self._overlap():
                     self._inflight = self._schedule_and_submit(events, step)
             events.extend(self._process(step, t0))
+            if self.async_scheduling and self._inflight is None:
+                self._submit_early(events, step)
         except BaseException as e:
             # scheduling advanced the sequences of every step not processed: undo it, so that the
             # engine (or a caller who catches this: LLM in process, an interrupt) can step again
@@ -256,6 +263,23 @@ class LLMEngine:
             log.exception("a step failed; failing its %d request(s), the engine goes on", len(failed))
             raise StepError(self._fail(failed), e) from e
         return self._free_drafts(events)
+
+    def _submit_early(self, events: list, step: "_InFlight") -> None:
+        """Async scheduling, when the next step could not be scheduled while `step` ran (it verified
+        drafts: the next one needs its tokens): schedule and submit it now, right after `step`'s tokens
+        reached the scheduler, so the caller's handling of them (detokenizing, streaming) runs while
+        the workers compute. A failure here is left to the next call, which schedules again and
+        raises it with its requests named (raising here would lose `step`'s events)."""
+        self._plan_drafts()
+        try:
+            nxt = self._schedule_and_submit(events, None)
+        except Exception as e:  # noqa: BLE001 -- rolled back; the next call meets it again
+            log.debug("early submission failed (%s: %s); scheduling again at the next step", type(e).__name__, e)
+            self._scheduling = None
+            return
+        if nxt is not None:
+            nxt.early_host_s = nxt.submitted_at + nxt.submit_s - step.done_at
+        self._inflight = nxt
 
     def drain(self) -> list[TokenEvent]:
         """Process the step in flight, if any, without scheduling another (async scheduling: the
@@ -312,13 +336,17 @@ class LLMEngine:
                                            **spec_fields[g], **eplb_fields))
         t = time.perf_counter()
         handle = self.executor.submit(inputs if self.num_groups > 1 else inputs[0])
-        return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok, scheduled_ahead=prev is not None)
+        return _InFlight(scheds, inputs, handle, time.perf_counter() - t, ahead_ok, scheduled_ahead=prev is not None,
+                         submitted_at=t)
 
     def _process(self, step: "_InFlight", t0: float) -> list[TokenEvent]:
         """Wait for a submitted step and advance its sequences with the tokens it sampled."""
         t_wait = time.perf_counter()
         outs = self.executor.wait(step.handle)
-        execute_time = step.submit_s + time.perf_counter() - t_wait
+        step.done_at = time.perf_counter()
+        # submitted early, it ran while the caller handled the step before: its time runs from its submission
+        execute_time = (step.done_at - step.submitted_at if step.early_host_s is not None
+                        else step.submit_s + step.done_at - t_wait)
         outs = outs if isinstance(outs, list) else [outs]
         scheds, inputs = step.scheds, step.inputs
         if self.balancer is not None:
@@ -380,7 +408,8 @@ class LLMEngine:
                 self.speculation.observe_step_cost(
                     max(sc.num_tokens + sum(s.num_draft for s in sc.scheduled) for sc in scheds),
                     execute_time - max(o.draft_s for o in outs),
-                    stats["step_time_s"] - execute_time if self.async_scheduling else None)
+                    step.early_host_s if step.early_host_s is not None
+                    else stats["step_time_s"] - execute_time if self.async_scheduling else None)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
         self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)

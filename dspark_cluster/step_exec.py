@@ -103,7 +103,11 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
     if step.share_sampled and S and model.comm.tp_size > 1:  # every rank needs them for the next input
         sampled = model.comm.broadcast(sampled).cpu()
     context = None
-    if capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
+    idle = stash is not None and rounds is None and step.export_rows is not None and not bool(step.export_rows.any())
+    if capture and sample_tokens and idle:  # nothing goes out: the stash logs the step's states as they are
+        stash.keep_step(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
+                        step.num_draft, num_tokens)
+    elif capture and sample_tokens:  # the driver rank exports (TP ranks hold the same states)
         context = committed_rows(model.captured, step.seq_ids, step.query_lens, step.context_lens, step.sample_rows,
                                  step.num_draft, num_tokens, to_host=stash is None and drafter is None)
         context.rounds = rounds

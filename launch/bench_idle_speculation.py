@@ -1,6 +1,6 @@
 """What speculation costs in process while it drafts nothing (issue 28, "an idle drafter costs nothing").
 
-    python launch/bench_idle_speculation.py [--arms none,dspark,draft_model] [--rounds 5]
+    python launch/bench_idle_speculation.py [--arms none,dspark,draft_model] [--rounds 5] [--json FILE]
 
 One warm LLMEngine per arm in this process (the bundled config; arms as launch/bench_first_guess.py names
 them, with num_tokens 4 and the confidence schedule, which at this load drafts only in the first run), then
@@ -13,6 +13,7 @@ each timed by wrapping the function in this process.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # (after PYTHONPATH: launch/ab.py --script-here runs it on older trees)
 
 from dspark_cluster import step_exec  # noqa: E402
 from dspark_cluster.config import load_config  # noqa: E402
@@ -50,6 +51,8 @@ def timed_parts() -> None:
     for name in ("plan", "attach", "step_fields", "collect", "observe", "step_stats", "free"):
         wrap(Speculation, name, f"controller.{name}")
     wrap(ContextStash, "route", "stash.route")
+    if hasattr(ContextStash, "keep_step"):  # (an idle step's log, since session 15)
+        wrap(ContextStash, "keep_step", "stash.keep_step")
     wrap(step_exec, "committed_rows", "committed_rows")
     wrap(step_exec, "_execute_step", "worker step")
     wrap(DecoderModel, "forward", "model forward")
@@ -71,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", default="none,dspark,draft_model")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write {arm: {ms_per_step, ratio, parts}} here (launch/ab.py)")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     timed_parts()
@@ -89,6 +93,7 @@ def main() -> None:
             for k, v in SECONDS.items():
                 parts[arm].setdefault(k, []).append(v / steps)
     base = statistics.median(per_step["none"]) if "none" in per_step else None
+    result = {}
     for arm in arms:
         ms = 1e3 * statistics.median(per_step[arm])
         sp = engines[arm].speculation
@@ -97,6 +102,10 @@ def main() -> None:
               f"{sp.num_drafted if sp is not None else 0}", flush=True)
         print("  " + ", ".join(f"{k} {1e3 * statistics.median(v):.3f}" for k, v in sorted(parts[arm].items())),
               flush=True)
+        result[arm] = {"ms_per_step": ms, "ratio": base / statistics.median(per_step[arm]) if base else None,
+                       "parts": {k: 1e3 * statistics.median(v) for k, v in parts[arm].items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -146,14 +146,15 @@ def test_speculation_switched_at_run_time_steps_in_and_out_of_async(checkpoint):
         n, drafts = 0, {}
         while eng.has_unfinished():
             n += 1
-            if n in (4, 12):  # off after step 3; back on (with a step in flight) at step 12
+            if n in (5, 12):  # (the step in flight at the switch, submitted before it, still verifies drafts)
                 drafts[n] = sum(eng.seqs[r].num_draft_tokens for r in ids)
+            if n in (4, 12):  # off after step 3; back on (with a step in flight) at step 12
                 eng.set_speculation(n == 12)
             eng.step()
         assert [eng.seqs[r].output_token_ids for r in ids] == plain
         overlapped = [s["overlapped"] for s in eng.step_stats]
         assert any(overlapped[4:11]) and not any(overlapped[:3])
-        assert 0 < drafts[4] == drafts[12] < sum(eng.seqs[r].num_draft_tokens for r in ids)
+        assert 0 < drafts[5] == drafts[12] < sum(eng.seqs[r].num_draft_tokens for r in ids)
         assert eng.block_manager.num_used == 0
     finally:
         eng.shutdown()

@@ -161,3 +161,47 @@ def test_kill_9_of_the_worker_that_hosts_the_drafter_loses_nothing(target, draft
         assert [o.token_ids for o in again] == base[:2] and all(o.metrics["num_draft_tokens"] > 0 for o in again)
     finally:
         llm.shutdown()
+
+
+def test_async_scheduling_submits_a_verifying_step_before_its_caller_handles_the_last(target, drafter, prompts,
+                                                                                      plain):
+    """With async scheduling (Ray's default) a step cannot be scheduled ahead while speculating (drafts
+    need the last tokens), so it is submitted as soon as those tokens reach the scheduler, before the
+    caller detokenizes and streams them: the caller's work runs beside it. Outputs stay plain
+    decoding's, also for a request aborted and one stopped while such a step is in flight, whose
+    proposals are not kept."""
+    cfg = target_config(drafter)
+    cfg["scheduler"]["async_scheduling"] = True
+    llm = LLM(target, config=cfg)
+    eng = llm.engine
+    costs, observe = [], eng.speculation.observe_step_cost
+    eng.speculation.observe_step_cost = lambda *a: (costs.append(a), observe(*a))
+    try:
+        ids = [eng.add_request(p, GREEDY) for p in prompts]
+        early = steps = verifying = 0
+        aborted = stopped = None
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            inflight = eng._inflight
+            if inflight is not None and inflight.early_host_s is not None:
+                early += 1
+                assert inflight.early_host_s >= 0
+                verifying += any(s.proposal for sc in inflight.scheds for s in sc.scheduled)
+                live = [r for r in ids if not eng.seqs[r].finished and eng.seqs[r].num_output_tokens > 8]
+                if aborted is None and live:  # a client's abort, and a stop string, with its next step running
+                    aborted = live[0]
+                    eng.abort_request(aborted)
+                elif stopped is None and len(live) > 1:
+                    stopped = live[1]
+                    eng.abort_request(stopped, "stop")
+        assert early > steps // 2 and verifying > steps // 4 and aborted and stopped
+        for r, want in zip(ids, plain):
+            got = eng.seqs[r].output_token_ids
+            assert got == want if r not in (aborted, stopped) else got == want[: len(got)]
+        assert not eng.speculation.ready and eng.block_manager.num_used == 0
+        # the step cost model still learns from every step: an early one's time runs from its submission,
+        # and the host's part is what ran between the last output and that submission
+        assert len(costs) >= steps - 1 and all(sec > 0 and host is not None and host >= 0 for _, sec, host in costs)
+    finally:
+        llm.shutdown()

@@ -88,7 +88,8 @@ def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(placeme
             idle += 1
             assert counts == before, (counts, before)  # no drafter call at all
             assert st["export_bytes"] == 0 and st["num_drafted"] == 0
-            assert stash.held and stash.nbytes <= len(prompts) * 4 * stash.row_bytes  # at most a window each
+            assert stash.held and stash.rows_held <= len(prompts) * 2 * 4  # at most 2 windows each
+            assert stash.nbytes <= (sum(map(len, prompts)) + eng.num_steps * len(prompts)) * stash.row_bytes
         elif plan:
             active += 1
     assert idle >= 8 and active >= 4
@@ -127,28 +128,30 @@ def test_greedy_identical_after_long_idle_stretches_in_process(placement, target
 
 
 def test_context_stash_keeps_a_window_and_frees():
-    F = 3
-    stash = ContextStash(window=4)
+    F, W = 3, 4
+    stash = ContextStash(window=W)
 
     def rows(sid, start, n):
         h = torch.arange(start, start + n, dtype=torch.float32)[:, None].expand(n, F).contiguous()
         return ContextRows(torch.tensor([sid]), torch.tensor([start]), torch.tensor([n]), h)
 
-    stash.keep(rows(1, 0, 6))  # a prompt longer than the window: its last 4 rows
-    assert stash.rows_held == 4 and stash.nbytes == 4 * F * 4
-    for pos in range(6, 20):  # decode steps: still 4 rows
-        stash.keep(rows(1, pos, 1))
-        stash.keep(rows(2, pos - 6, 1))
-    assert stash.rows_held == 4 + 4 and stash.peak_bytes == 8 * F * 4
+    stash.keep(rows(1, 0, 6))  # a prompt longer than the window: its last 4 rows count
+    assert stash.rows_held == 4 and stash.nbytes == 6 * F * 4  # (the step's states stay allocated)
+    for pos in range(6, 20):  # decode steps of both: the latest `window` steps stay
+        a, b = rows(1, pos, 1), rows(2, pos - 6, 1)
+        stash.keep(ContextRows(torch.tensor([1, 2]), torch.tensor([pos, pos - 6]), torch.tensor([1, 1]),
+                               torch.cat([a.hidden, b.hidden])))
+        assert len(stash.log) <= W and stash.nbytes <= W * 6 * F * 4
+    assert stash.rows_held == 2 * W and stash.nbytes == 2 * W * F * 4 and stash.peak_bytes >= 6 * F * 4
     out = stash.take(rows(1, 20, 1))  # drafting resumes: the kept window, then the step's own row
     assert out.starts.tolist() == [16] and out.counts.tolist() == [5]
     assert out.hidden[:, 0].tolist() == [16, 17, 18, 19, 20]
-    assert 1 not in stash.held and stash.rows_held == 4
+    assert 1 not in stash.held
     stash.keep(rows(2, 3, 2))  # a recompute (after a preemption) rewinds: rows from 3 on are new
-    assert [(s0, h.shape[0]) for s0, h in stash.held[2].chunks] == [(3, 2)] and stash.rows_held == 2
     stash.keep(rows(2, 5, 1))
     out = stash.take(rows(2, 6, 1))
-    assert out.starts.tolist() == [3] and out.hidden[:, 0].tolist() == [3, 4, 5, 6] and stash.rows_held == 0
+    assert out.starts.tolist() == [3] and out.hidden[:, 0].tolist() == [3, 4, 5, 6]
+    assert not stash.held and stash.rows_held == 0 and stash.nbytes == 0  # nobody needs the steps any more
     stash.keep(rows(2, 7, 1))
     stash.free([2])
     assert not stash.held and stash.rows_held == 0 and stash.nbytes == 0
@@ -157,6 +160,41 @@ def test_context_stash_keeps_a_window_and_frees():
     assert out.counts.tolist() == [2] and not stash.held
     assert stash.route(rows(3, 2, 1), torch.tensor([False]), torch.tensor([3])) is None
     assert stash.rows_held == 1
+    # a sequence missing from a step in between (not scheduled): its run is cut at the gap
+    stash.keep(rows(4, 0, 2))
+    stash.keep(rows(4, 5, 1))
+    out = stash.take(rows(4, 6, 1))
+    assert out.starts.tolist() == [5] and out.hidden[:, 0].tolist() == [5, 6]
+
+
+def test_a_step_logged_as_it_is_gives_the_rows_committed_rows_selects():
+    """keep_step (an idle step: its captured states as they are, no selection) and keep(committed_rows(..))
+    hand out the same rows when the sequences export again: verify rows with rejected drafts, a request
+    that does not speculate, a prompt chunk longer than the window, and a recompute."""
+    from dspark_cluster.speculative.context import committed_rows
+
+    F, W = 2, 5
+    g = torch.Generator().manual_seed(0)
+    # step 1: seq 7 a 8-token prompt chunk, seq 9 a non-speculating request (-1), seq 8 a 3-token chunk
+    # step 2: seq 7 verifies 3 drafts (1 accepted), seq 8 decodes; step 3: seq 8 recomputed from 1
+    steps = [dict(seq_ids=[7, -1, 8], q=[8, 2, 3], ctx=[8, 2, 3], rows=[0, 1, 2], nd=None, nt=[1, 1, 1]),
+             dict(seq_ids=[7, 8], q=[4, 1], ctx=[12, 4], rows=[0, 1], nd=[3, 0], nt=[2, 1]),
+             dict(seq_ids=[8], q=[3], ctx=[4], rows=[0], nd=None, nt=[1])]
+    a, b = ContextStash(W), ContextStash(W)
+    for st in steps:
+        T = sum(st["q"])
+        captured = torch.randn(T, F, generator=g)
+        args = (torch.tensor(st["seq_ids"]), torch.tensor(st["q"]), torch.tensor(st["ctx"]), torch.tensor(st["rows"]),
+                None if st["nd"] is None else torch.tensor(st["nd"]), torch.tensor(st["nt"]))
+        a.keep_step(captured, *args)
+        b.keep(committed_rows(captured, *args))
+    assert a.rows_held == b.rows_held and set(a.held) == set(b.held) == {7, 8}
+    for sid, start in ((7, 10), (8, 4)):
+        own = ContextRows(torch.tensor([sid]), torch.tensor([start]), torch.tensor([1]), torch.zeros(1, F))
+        x, y = a.take(own), b.take(own)
+        assert x.starts.tolist() == y.starts.tolist() and x.counts.tolist() == y.counts.tolist()
+        assert torch.equal(x.hidden, y.hidden) and x.counts.item() == min(W, start) + 1
+    assert a.rows_held == b.rows_held == 0 and a.nbytes == 0
 
 
 def test_finished_sequences_leave_the_stash(target, drafter, prompts):

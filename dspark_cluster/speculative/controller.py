@@ -291,7 +291,7 @@ class Speculation:
         counts = (tokens >= 0).sum(1).tolist()
         n = 0
         for i, length in enumerate(lengths):
-            if length:
+            if length and not rows[i].seq.finished:  # (one aborted while this step ran is freed already)
                 k = counts[i]
                 self.ready[rows[i].seq.seq_id] = (length, Proposal(tokens[i, :k].tolist(), None, confs[i, :k]))
                 n += 1
