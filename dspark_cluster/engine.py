@@ -243,9 +243,11 @@ class LLMEngine:
                 self._plan_drafts()
                 if self._overlap():
                     self._inflight = self._schedule_and_submit(events, step)
-            events.extend(self._process(step, t0))
+            got, learn = self._advance(step, t0)
+            events.extend(got)
             if self.async_scheduling and self._inflight is None:
                 self._submit_early(events, step)
+            self._learn(learn)  # (after an early submission: the planner learns from this step one step later)
         except BaseException as e:
             # scheduling advanced the sequences of every step not processed: undo it, so that the
             # engine (or a caller who catches this: LLM in process, an interrupt) can step again
@@ -341,6 +343,18 @@ class LLMEngine:
 
     def _process(self, step: "_InFlight", t0: float) -> list[TokenEvent]:
         """Wait for a submitted step and advance its sequences with the tokens it sampled."""
+        events, learn = self._advance(step, t0)
+        self._learn(learn)
+        return events
+
+    def _learn(self, learn: list) -> None:
+        """The verify outcomes of a processed step, to the drafter's statistics and the verify planner
+        (off the critical path: nothing the next step's input needs)."""
+        for rows, sampled, num_steps in learn:
+            self.speculation.observe(rows, sampled, num_steps)
+
+    def _advance(self, step: "_InFlight", t0: float) -> tuple[list[TokenEvent], list]:
+        """_process but the verify outcomes' learning, returned for _learn: (events, learn)."""
         t_wait = time.perf_counter()
         outs = self.executor.wait(step.handle)
         step.done_at = time.perf_counter()
@@ -355,7 +369,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.ingest(outs)
         step.processed = True
-        events = []
+        events, learn = [], []
         spec_rounds = spec_tokens = 0  # verify rounds this step and the tokens they produced
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
@@ -364,8 +378,9 @@ class LLMEngine:
             if out.prompt_token_logprobs is not None:
                 _store_prompt_logprobs(sc.scheduled, step_in, out)
             if self.speculation is not None:
-                rounds, tokens = self.speculation.observe(rows, sampled, self.num_steps)
-                spec_rounds, spec_tokens = spec_rounds + rounds, spec_tokens + tokens
+                rounds = [len(sampled[s.seq.seq_id]) for s in rows if s.proposal is not None]
+                spec_rounds, spec_tokens = spec_rounds + len(rounds), spec_tokens + sum(rounds)
+                learn.append((rows, sampled, self.num_steps))
                 if self.speculation.on_target:
                     self.speculation.collect(rows, out, self.schedulers)
             for seq, new in g.update(sc.scheduled, sampled):
@@ -376,7 +391,7 @@ class LLMEngine:
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq, lps))
                 self.meter.output_tokens += len(new)
         self._record(step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens)
-        return events
+        return events, learn
 
     def _record(self, step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens) -> None:
         """The step's statistics: kept for live metrics, a run's report, the cost meter and the
