@@ -205,3 +205,27 @@ def test_async_scheduling_submits_a_verifying_step_before_its_caller_handles_the
         assert len(costs) >= steps - 1 and all(sec > 0 and host is not None and host >= 0 for _, sec, host in costs)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("placement", ["target", "group"])
+def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, prompts, plain):
+    """A fresh engine's verify planner knows the drafter's cost before any live call (the drafter on the
+    target measures itself in its worker; a group is measured through the engine's drafter calls), so its
+    prior gate decides from the first step: where a drafter of the prior's acceptance would not pay,
+    nothing is drafted at all, not even to learn. The profile's sequences leave nothing behind."""
+    cfg = target_config(drafter, schedule="confidence")
+    cfg["speculative"]["placement"] = placement
+    llm = LLM(target, config=cfg)
+    sp = llm.engine.speculation
+    assert set(sp.drafter_profile) == {1, 4, 16} and all(s > 0 for s in sp.drafter_profile.values())
+    assert sum(len(q) for q in sp.planner.draft_cost.samples.values()) == 9
+    proposer = dspark_proposer(llm)
+    assert not proposer.ctx and proposer.misses == 0
+    sp.planner.prior_acceptance = 0.05  # (a drafter that would pay nowhere)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sp.num_drafted == 0 and all(o.metrics["num_draft_tokens"] == 0 for o in outs)
+    sp.planner.prior_acceptance = 0.95  # one that pays at batch 1: the planner learns, and drafts
+    sp.planner._prior_memo.clear()
+    assert sp.planner._prior_k(1) > 0
+    assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == plain[:1] and sp.num_drafted > 0

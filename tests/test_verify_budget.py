@@ -215,7 +215,13 @@ def test_step_cost_profile_and_live_correction():
     for _ in range(200):
         cost.observe(8, 0.024)  # live steps of 8 tokens take twice the profile
     assert cost(8) == pytest.approx(0.024, rel=0.01)
-    assert cost(1) == pytest.approx(0.010)
+    # sizes no live step came near take the nearest observed correction (the larger steps drafting would
+    # make are as much slower than their profile as the steps that ran)
+    assert cost(1) == pytest.approx(0.020, rel=0.01) and cost(64) == pytest.approx(0.080, rel=0.01)
+    for _ in range(200):
+        cost.observe(1, 0.010)  # ... until steps of their own size are seen
+    assert cost(1) == pytest.approx(0.010, rel=0.01) and cost(8) == pytest.approx(0.024, rel=0.01)
+    assert cost(64) == pytest.approx(0.080, rel=0.01)
 
 
 def test_draft_cost_scales_with_forwards():

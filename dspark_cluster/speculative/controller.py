@@ -17,6 +17,7 @@ plus the admin operations (status, rollback, resume, the run-time switch) and th
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Optional
 
@@ -24,10 +25,11 @@ import numpy as np
 import torch
 
 from .drafting import Drafter
+from .on_target import PROFILE_ID, PROFILE_ROWS
 from .proposers import DraftRequest
-from .records import Proposal
+from .records import ContextRows, Proposal
 from ..step_builder import profile_input
-from .verify_budget import StepCost, VerifyPlanner
+from .verify_budget import StepCost, VerifyPlanner, draft_forwards
 
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,11 @@ class Speculation:
         if cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
                                          cfg.speculative.method)
+        self.spec = spec
+        self.on_target = cfg.speculative.on_target
+        self.drafter_profile: dict[int, float] = {}  # rows -> seconds of a drafting call, at start-up
+        if self.planner is not None:
+            self._seed_draft_cost(executor)
         self.record_rounds = cfg.speculative.calibration.enabled  # online calibration records verify rounds
         self.wanted = True  # the run-time switch, as last set (a drafter restart restores it)
         self.drafter_version = 0  # the drafter version the planner's window is of
@@ -85,9 +92,66 @@ class Speculation:
         # placement target: the drafter drafts on the target's driver ranks right after a step, for the next
         # one; ready: seq_id -> (the sequence length its proposal continues, the proposal); ahead_s: the
         # drafting seconds of the latest proposals (the verify budget's draft time for them)
-        self.on_target = cfg.speculative.on_target
         self.ready: dict[int, tuple[int, Proposal]] = {}
         self.ahead_s = 0.0
+
+    # ---- start-up ------------------------------------------------------------------------
+    def _seed_draft_cost(self, executor) -> None:
+        """The drafter's cost before any live call, so that the planner's prior gate decides from the first
+        step (a fresh engine at a load where drafting does not pay then never drafts to learn it): the
+        drafter on the target measured itself at start-up (its worker's report); a drafter group is
+        measured here, through the calls the steps make. Each figure counts as 3 calls of its rows."""
+        if self.on_target:
+            found = [r["drafter_profile"] for r in executor.device_reports() if r.get("drafter_profile")]
+            profile = found[0] if found else {}
+        else:
+            try:
+                profile = self._measure_group()
+            except Exception as e:  # noqa: BLE001 -- learnt on live rows instead, as without a profile
+                log.warning("drafter start-up profile failed (%s: %s); its cost is learnt on live rows",
+                            type(e).__name__, e)
+                profile = {}
+        forwards = draft_forwards(self.cfg.speculative.method, self.lookahead)
+        for rows, seconds in profile.items():
+            for _ in range(3):
+                self.planner.draft_cost.observe(int(rows), forwards, seconds)
+        self.drafter_profile = {int(r): s for r, s in profile.items()}
+
+    def _measure_group(self, rows=PROFILE_ROWS, context: int = 32, repeats: int = 3) -> dict[int, float]:
+        """Seconds of a `Drafter.propose` call for `rows` synthetic sequences of `context` tokens drafting k
+        each (the median of `repeats` calls after the first, which takes their prompts), freed after. A
+        DSpark drafter in process first gets random context rows; a Ray DSpark group takes rows only from
+        the target's workers, so it is not measured here (its cost is learnt on live rows)."""
+        d, method = self.drafter, self.cfg.speculative.method
+        dspark = method == "dspark"
+        if method not in ("dspark", "draft_model") or d.backend is None or (dspark and d.backend.names is not None):
+            return {}
+        width = self.spec.hidden_size * len(d._export_layers) if dspark else 0
+        spent, out, first = d.stats.draft_time_s, {}, PROFILE_ID
+        for r in rows:  # (each pass its own ids: a freed id's late rows are dropped by the proposer)
+            ids, first = list(range(first, first - r, -1)), first - r
+            tokens = [[2 + (7 * j + 3 * i) % max(self.spec.vocab_size - 2, 1) for i in range(context + repeats + 1)]
+                      for j in range(r)]
+            if dspark:
+                d.ingest(ContextRows(torch.tensor(ids), torch.zeros(r, dtype=torch.long), torch.full((r,), context),
+                                     torch.randn(r * context, width)))
+            times = []
+            for i in range(repeats + 1):
+                if dspark and i:  # the row the last step committed
+                    d.ingest(ContextRows(torch.tensor(ids), torch.full((r,), context + i - 1),
+                                         torch.ones(r, dtype=torch.long), torch.randn(r, width)))
+                reqs = [DraftRequest(sid, tokens[j][: context + 1 + i], self.lookahead, position=i)
+                        for j, sid in enumerate(ids)]
+                t = time.perf_counter()
+                d.propose(reqs)
+                times.append(time.perf_counter() - t)
+            d.free(ids, flush=True)
+            out[r] = statistics.median(times[1:])
+            if not d.alive:
+                return {}
+        d.stats.draft_time_s = spent
+        log.info("drafter, ms a drafting call by rows: %s", ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
+        return out
 
     # ---- before scheduling ---------------------------------------------------------------
     def poll(self, groups, num_steps: int) -> None:

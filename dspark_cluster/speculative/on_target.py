@@ -16,6 +16,7 @@ once (`StepOutput.drafter_error`) and the engine goes on without speculation.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Optional
 
@@ -23,6 +24,10 @@ import torch
 
 from .dspark_proposer import DSparkProposer
 from .proposers import DraftRequest
+from .records import ContextRows
+
+PROFILE_ROWS = (1, 4, 16)  # rows drafted for in the start-up profile (the exploration drafts for 4)
+PROFILE_ID = -(1 << 40)  # the profile's synthetic sequences count down from here (never an engine's id)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,14 @@ class TargetDrafter:
         self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.error: Optional[str] = None  # a failure not yet reported
         self.num_proposed = 0  # rows drafted for, since start
+        self.num_tokens = num_tokens
+        # rows -> seconds of a drafting call, measured at start-up: the verify planner's first decisions
+        # use it instead of learning the drafter's cost on live rows (VerifyPlanner.prior_acceptance)
+        self.profile: dict[int, float] = {}
+        try:
+            self.profile = self.measure()
+        except Exception as e:  # noqa: BLE001 -- a drafter that cannot draft serves no one
+            self._fail("draft (start-up profile)", e)
 
     @property
     def alive(self) -> bool:
@@ -123,6 +136,35 @@ class TargetDrafter:
         return {"draft_tokens": out_tokens, "draft_confidences": out_conf, "draft_lengths": out_len,
                 "draft_s": time.perf_counter() - t0}
 
+    def measure(self, rows=PROFILE_ROWS, context: int = 32, repeats: int = 3) -> dict[int, float]:
+        """Seconds of a drafting call (`propose`, what a step reports as draft_s) for `rows` sequences
+        of `context` tokens drafting num_tokens each, once their context is in (the median of `repeats`
+        calls after the first, which computes the whole context): synthetic sequences, freed after."""
+        p = self.proposer
+        width = p.c.target_hidden_size * len(p.layer_ids)
+        out, first = {}, PROFILE_ID
+        for r in rows:  # (each pass its own ids: a freed id's late rows are dropped by the proposer)
+            ids, first = torch.arange(first, first - r, -1), first - r
+            p.ingest(ContextRows(ids, torch.zeros(r, dtype=torch.long), torch.full((r,), context),
+                                 torch.randn(r * context, width, device=p.device)))
+            times = []
+            for i in range(repeats + 1):
+                if i:  # the row the last step committed
+                    p.ingest(ContextRows(ids, torch.full((r,), context + i - 1), torch.ones(r, dtype=torch.long),
+                                         torch.randn(r, width, device=p.device)))
+                full = lambda v, dtype=torch.long: torch.full((r,), v, dtype=dtype)  # noqa: E731
+                t = time.perf_counter()
+                self.propose(full(self.num_tokens), ids, full(context + 1 + i), full(2), full(0.0, torch.float32),
+                             full(0), full(1.0, torch.float32), full(-1), full(i))
+                times.append(time.perf_counter() - t)
+            p.free(ids.tolist())
+            out[r] = statistics.median(times[1:])
+        p.peak_context_bytes = p.ingested_rows = p.misses = 0
+        self.num_proposed = 0
+        log.info("drafter on the target, ms a drafting call by rows: %s",
+                 ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
+        return out
+
     def take_error(self) -> Optional[str]:
         err, self.error = self.error, None
         return err
@@ -134,4 +176,4 @@ class TargetDrafter:
         laws = sum(law.numel() * law.element_size() for _, _, law in self.laws.values())
         return {"drafter_param_bytes": r["param_bytes"], "drafter_kv_bytes": r["kv_bytes"] + laws,
                 "drafter_rows_proposed": self.num_proposed, "drafter_misses": self.proposer.misses,
-                "drafter_resyncs": self.proposer.resyncs}
+                "drafter_resyncs": self.proposer.resyncs, "drafter_profile": self.profile}
