@@ -1,7 +1,7 @@
 """Confidence-scheduled verification against plain decoding and fixed k, across loads (issue 14).
 
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
-        [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--out FILE]
+        [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--no-prefix-cache] [--out FILE]
         [--plot-dir DIR] [--calib-requests 512] [--calibration isotonic] [--calib-compare sts,platt,platt_log_loss]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
@@ -47,6 +47,8 @@ def config(args, method=None, k=0, schedule="static") -> dict:
     cfg = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32"},
            "parallel": {"executor": "local", "threads_per_worker": args.threads},
            "scheduler": {"max_num_seqs": 64}}
+    if args.no_prefix_cache:  # the loads repeat their prompts: plain decoding would skip their prefill
+        cfg["scheduler"]["prefix_caching"] = False
     if method is not None:
         cfg["speculative"] = {"method": method, "draft_model": str(ASSETS_DIR / DRAFTERS[method]), "num_tokens": k,
                               "schedule": schedule}
@@ -92,6 +94,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
+                         "DSpark request recomputes up to its context window: this isolates speculation)")
     ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
     ap.add_argument("--calibration", default=None, help="the calibration in force in part 3 (default: the planner's)")
     ap.add_argument("--calib-compare", default="sts,platt,platt_log_loss",
