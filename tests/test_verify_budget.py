@@ -365,3 +365,19 @@ def test_a_fresh_planner_stops_learning_where_a_typical_drafter_would_not_pay():
         planner.drafted(4, 4, 0.006)  # then 6 ms for 4 rows
     assert planner.draft_len(48) == 0 and not planner.exploring  # at 48 rows it could not pay
     assert planner.draft_len(1) == 4 and planner.exploring  # at 1 row it could: keep learning
+
+
+def test_a_closed_prior_gate_still_explores_at_the_paced_rate():
+    """The gate is a guess from a cost measured once (a start-up profile on a busy machine reads the drafter
+    slow): with no outcomes and the gate closed, the paced exploration still drafts on a few rows now and
+    then, so a wrong guess is corrected by live calls."""
+    planner = VerifyPlanner(4, StepCost([1, 8, 64, 320], [0.002, 0.004, 0.012, 0.05]), "dspark")
+    planner.clock = lambda: 1000.0
+    for rows in (1, 4, 16):
+        planner.draft_cost.observe(rows, 1, 0.5)  # a profile taken while the machine was busy: 500 ms a call
+    decisions = [planner.draft_len(1) for _ in range(planner.explore_every + 1)]
+    assert decisions[:-1] == [0] * planner.explore_every  # closed, even at 1 row
+    assert decisions[-1] == 4 and planner.exploring and not planner._learning  # then one paced exploring step
+    for _ in range(3):
+        planner.drafted(1, 4, 0.0005)  # the drafter's real cost at 1 row, from live calls: 0.5 ms
+    assert planner.draft_len(1) == 4 and planner._learning  # the gate opens: learn at 1 row

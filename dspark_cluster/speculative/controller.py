@@ -17,7 +17,6 @@ plus the admin operations (status, rollback, resume, the run-time switch) and th
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Optional
 
@@ -100,7 +99,8 @@ class Speculation:
         """The drafter's cost before any live call, so that the planner's prior gate decides from the first
         step (a fresh engine at a load where drafting does not pay then never drafts to learn it): the
         drafter on the target measured itself at start-up (its worker's report); a drafter group is
-        measured here, through the calls the steps make. Each figure counts as 3 calls of its rows."""
+        measured here, through the calls the steps make. Each figure counts as one call of its rows (live
+        calls soon outvote it: DraftCost keeps the median of the latest)."""
         if self.on_target:
             found = [r["drafter_profile"] for r in executor.device_reports() if r.get("drafter_profile")]
             profile = found[0] if found else {}
@@ -113,13 +113,12 @@ class Speculation:
                 profile = {}
         forwards = draft_forwards(self.cfg.speculative.method, self.lookahead)
         for rows, seconds in profile.items():
-            for _ in range(3):
-                self.planner.draft_cost.observe(int(rows), forwards, seconds)
+            self.planner.draft_cost.observe(int(rows), forwards, seconds)
         self.drafter_profile = {int(r): s for r, s in profile.items()}
 
     def _measure_group(self, rows=PROFILE_ROWS, context: int = 32, repeats: int = 3) -> dict[int, float]:
         """Seconds of a `Drafter.propose` call for `rows` synthetic sequences of `context` tokens drafting k
-        each (the median of `repeats` calls after the first, which takes their prompts), freed after. A
+        each (the fastest of `repeats` calls after the first, which takes their prompts), freed after. A
         DSpark drafter in process first gets random context rows; a Ray DSpark group takes rows only from
         the target's workers, so it is not measured here (its cost is learnt on live rows)."""
         d, method = self.drafter, self.cfg.speculative.method
@@ -146,7 +145,7 @@ class Speculation:
                 d.propose(reqs)
                 times.append(time.perf_counter() - t)
             d.free(ids, flush=True)
-            out[r] = statistics.median(times[1:])
+            out[r] = min(times[1:])
             if not d.alive:
                 return {}
         d.stats.draft_time_s = spent

@@ -301,22 +301,31 @@ class VerifyPlanner:
         if self.mean_survival is None:
             # no outcomes yet: learn on a few rows (`explore_rows`, as the exploration below), never on
             # every row of a loaded step before anything says that drafting pays at that load; and once the
-            # first learning steps have measured the drafter's cost (3 calls: the first computes whole prompts'
+            # drafter's cost is known (measured at start-up, or 3 live calls: the first computes whole prompts'
             # context, a median of 3 leaves it out), only at a load where a drafter of a typical survival
-            # (`prior_acceptance` a position) would pay (else the paced exploration learns)
+            # (`prior_acceptance` a position) would pay; elsewhere the paced exploration learns (the gate
+            # is a guess too: a start-up profile taken on a loaded machine reads the drafter slow)
             measured = sum(len(q) for q in self.draft_cost.samples.values())
             if self.prior_acceptance is not None and measured >= 3 and self._prior_k(num_rows) == 0:
+                if self._explore_due():
+                    self.exploring = True
+                    return self.k
                 self._since_draft += 1
                 return 0
             self.exploring = self._learning = True  # (learning is not paced as the exploration is)
             return self.k
-        if (self._since_draft >= self.explore_every
-                and self.clock() - self._last_draft_t >= self._explore_s / self.explore_share):
+        if self._explore_due():
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
             return self.k
         k = self._memoised(self._memo, num_rows, self.mean_survival)
         self._since_draft += k == 0
         return k
+
+    def _explore_due(self) -> bool:
+        """explore_every steps without drafting, and the last exploring step's cost at most explore_share of
+        the time since."""
+        return (self._since_draft >= self.explore_every
+                and self.clock() - self._last_draft_t >= self._explore_s / self.explore_share)
 
     def _prior_k(self, num_rows: int) -> int:
         """_best_k at the prior survival (no outcomes yet)."""
