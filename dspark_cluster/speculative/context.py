@@ -126,15 +126,36 @@ class ContextStash:
     def keep(self, rows: ContextRows) -> None:
         """Hold these rows (selected rows of a step: each sequence's run follows the one before)."""
         counts = rows.counts.numpy()
-        self._log(_Step(self.num_logged, rows.hidden, self.window,
-                        runs=(rows.seq_ids.numpy(), rows.starts.numpy(), counts, np.cumsum(counts) - counts)),
-                  rows.seq_ids)
+        self._keep_runs(rows.hidden, (rows.seq_ids.numpy(), rows.starts.numpy(), counts, np.cumsum(counts) - counts))
 
     def keep_step(self, captured, seq_ids, query_lens, context_lens, sample_rows, num_draft, num_tokens) -> None:
         """Hold the committed rows of a step that exports nothing, from its captured states as they are
-        (arguments as committed_rows')."""
-        self._log(_Step(self.num_logged, captured, self.window,
-                        args=(seq_ids, query_lens, context_lens, sample_rows, num_draft, num_tokens)), seq_ids)
+        (arguments as committed_rows'). A step of more rows than the window (prompt chunks) is selected
+        at once instead: only each sequence's last `window` rows are kept of it."""
+        args = (seq_ids, query_lens, context_lens, sample_rows, num_draft, num_tokens)
+        if captured.shape[0] > self.window:
+            self._keep_runs(captured, committed_runs(*args))
+            return
+        self._log(_Step(self.num_logged, captured, self.window, args=args), seq_ids)
+
+    def _keep_runs(self, hidden, runs) -> None:
+        """Log rows whose runs are known: a run longer than the window keeps its last `window` rows (copied
+        out, so the rest of the step's states can go) and is a whole window, so its sequence's earlier
+        steps are never read again (they go once no other sequence needs them)."""
+        sids, starts, counts, offs = runs
+        long = counts > self.window
+        if long.any():
+            over = np.where(long, counts - self.window, 0)
+            starts, counts, offs = starts + over, counts - over, offs + over
+            ends = np.cumsum(counts)
+            idx = np.repeat(offs - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
+            hidden = hidden[torch.from_numpy(idx).to(hidden.device)]
+            offs = ends - counts
+            for sid in sids[long & (sids >= 0)].tolist():
+                self.since.pop(sid, None)  # (set to this step below)
+        self._log(_Step(self.num_logged, hidden, self.window, runs=(sids, starts, counts, offs)), torch.from_numpy(sids))
+        if long.any():
+            self._trim()
 
     def _log(self, step: _Step, seq_ids: torch.Tensor) -> None:
         if not step.nbytes:
