@@ -113,6 +113,14 @@ class StepCost:
             return self._profile(B) * np.interp(np.asarray(B, dtype=np.float64), self.x, self.correction)
         return self._profile(B) * np.interp(np.asarray(B, dtype=np.float64), self.x[seen], self.correction[seen])
 
+    def at_load_of(self, B, ref: int) -> np.ndarray:
+        """T(B) with the correction at `ref` tokens (a plain step's) for every size: the profile's shape at
+        this load's live speed. For decisions about steps no live step has run near: their own correction
+        is only interpolated, between points (a short-context prompt step, long-context decode steps) that
+        need not say anything about them."""
+        seen = self.seen if self.seen.any() else np.ones_like(self.seen)
+        return self._profile(B) * float(np.interp(float(ref), self.x[seen], self.correction[seen]))
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         # scalar code: this runs every step
         xs, ys = self._xs, self._ys
@@ -328,27 +336,32 @@ class VerifyPlanner:
                 and self.clock() - self._last_draft_t >= self._explore_s / self.explore_share)
 
     def _prior_k(self, num_rows: int) -> int:
-        """_best_k at the prior survival (no outcomes yet)."""
-        return self._memoised(self._prior_memo, num_rows, self.prior_acceptance ** np.arange(1, self.k + 1))
+        """_best_k at the prior survival (no outcomes yet), every step size at the plain step's correction (no
+        drafting step has run: interpolated corrections drift with the contexts, and reopened the gate mid-run)."""
+        return self._memoised(self._prior_memo, num_rows, self.prior_acceptance ** np.arange(1, self.k + 1),
+                              at_load=True)
 
-    def _memoised(self, memo: dict, num_rows: int, mean_survival: np.ndarray) -> int:
+    def _memoised(self, memo: dict, num_rows: int, mean_survival: np.ndarray, at_load: bool = False) -> int:
         """_best_k, reused for memo_steps steps of the same load (it runs every step, and the estimates
         move slowly; a refit clears the learned memo, a new drafter cost measurement the prior's)."""
         got = memo.get(num_rows)
         if got is not None and got[1] > 0:
             memo[num_rows] = (got[0], got[1] - 1)
             return got[0]
-        k = self._best_k(num_rows, mean_survival)
+        k = self._best_k(num_rows, mean_survival, at_load)
         memo[num_rows] = (k, self.memo_steps)
         return k
 
-    def _best_k(self, num_rows: int, mean_survival: np.ndarray) -> int:
+    def _best_k(self, num_rows: int, mean_survival: np.ndarray, at_load: bool = False) -> int:
         """The draft length that maximises the expected tokens per second at this load, given the mean
-        survival by position [K]; 0 unless it beats plain decoding by the margin."""
+        survival by position [K]; 0 unless it beats plain decoding by the margin. at_load: every step size
+        at the plain step's correction (StepCost.at_load_of)."""
         a = np.concatenate([[0.0], np.cumsum(mean_survival)])  # expected accepted per row with k drafts
         ks = np.arange(self.k + 1)
         forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
-        cost = self.step_cost(num_rows * (1 + ks)) + forwards * self.draft_cost.per_forward_s(num_rows)
+        sizes = num_rows * (1 + ks)
+        steps = self.step_cost.at_load_of(sizes, num_rows) if at_load else self.step_cost(sizes)
+        cost = steps + forwards * self.draft_cost.per_forward_s(num_rows)
         cost[1:] += self.hidden_host_s  # a plain step hides the host's work (async scheduling); a drafting one waits
         theta = num_rows * (1 + a) / cost
         k = int(np.argmax(theta))
