@@ -175,7 +175,7 @@ def test_async_scheduling_submits_a_verifying_step_before_its_caller_handles_the
     llm = LLM(target, config=cfg)
     eng = llm.engine
     costs, observe = [], eng.speculation.observe_step_cost
-    eng.speculation.observe_step_cost = lambda *a: (costs.append(a), observe(*a))
+    eng.speculation.observe_step_cost = lambda *a, **kw: (costs.append(a), observe(*a, **kw))
     try:
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         early = steps = verifying = 0

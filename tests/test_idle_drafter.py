@@ -88,7 +88,7 @@ def test_a_step_that_drafts_nothing_calls_no_drafter_and_exports_nothing(placeme
             idle += 1
             assert counts == before, (counts, before)  # no drafter call at all
             assert st["export_bytes"] == 0 and st["num_drafted"] == 0
-            assert stash.held and stash.rows_held <= len(prompts) * 2 * 4  # at most 2 windows each
+            assert stash.since and stash.rows_held <= len(prompts) * 2 * 4  # at most 2 windows each
             assert stash.nbytes <= (sum(map(len, prompts)) + eng.num_steps * len(prompts)) * stash.row_bytes
         elif plan:
             active += 1
@@ -146,18 +146,18 @@ def test_context_stash_keeps_a_window_and_frees():
     out = stash.take(rows(1, 20, 1))  # drafting resumes: the kept window, then the step's own row
     assert out.starts.tolist() == [16] and out.counts.tolist() == [5]
     assert out.hidden[:, 0].tolist() == [16, 17, 18, 19, 20]
-    assert 1 not in stash.held
+    assert 1 not in stash.since
     stash.keep(rows(2, 3, 2))  # a recompute (after a preemption) rewinds: rows from 3 on are new
     stash.keep(rows(2, 5, 1))
     out = stash.take(rows(2, 6, 1))
     assert out.starts.tolist() == [3] and out.hidden[:, 0].tolist() == [3, 4, 5, 6]
-    assert not stash.held and stash.rows_held == 0 and stash.nbytes == 0  # nobody needs the steps any more
+    assert not stash.since and stash.rows_held == 0 and stash.nbytes == 0  # nobody needs the steps any more
     stash.keep(rows(2, 7, 1))
     stash.free([2])
-    assert not stash.held and stash.rows_held == 0 and stash.nbytes == 0
+    assert not stash.since and stash.rows_held == 0 and stash.nbytes == 0
     # a sequence that never idles is never kept
     out = stash.route(rows(3, 0, 2), torch.tensor([True]), torch.tensor([3]))
-    assert out.counts.tolist() == [2] and not stash.held
+    assert out.counts.tolist() == [2] and not stash.since
     assert stash.route(rows(3, 2, 1), torch.tensor([False]), torch.tensor([3])) is None
     assert stash.rows_held == 1
     # a long prompt in chunks: each chunk is a whole window, so the chunk before it goes at once
@@ -195,7 +195,7 @@ def test_a_step_logged_as_it_is_gives_the_rows_committed_rows_selects():
                 None if st["nd"] is None else torch.tensor(st["nd"]), torch.tensor(st["nt"]))
         a.keep_step(captured, *args)
         b.keep(committed_rows(captured, *args))
-    assert a.rows_held == b.rows_held and set(a.held) == set(b.held) == {7, 8}
+    assert a.rows_held == b.rows_held and set(a.since) == set(b.since) == {7, 8}
     for sid, start in ((7, 10), (8, 4)):
         own = ContextRows(torch.tensor([sid]), torch.tensor([start]), torch.tensor([1]), torch.zeros(1, F))
         x, y = a.take(own), b.take(own)
@@ -214,7 +214,7 @@ def test_finished_sequences_leave_the_stash(target, drafter, prompts):
     assert stash.peak_bytes > 0 and stash.rows_flushed == 0
     assert sum(o.metrics["num_draft_tokens"] for o in first) == 0
     llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert len(stash.held) <= 1  # the first batch's rows went with its sequences
+    assert len(stash.since) <= 1  # the first batch's rows went with its sequences
     ledger = llm.engine.cost_ledger()
     assert ledger["memory"]["by_kind"]["context_stash"] == stash.peak_bytes
 

@@ -379,7 +379,8 @@ class SimEngine:
         device_s = terms["total"] - terms["host"] - terms["drafter"]
         self.busy_s += device_s
         if self.planner is not None and not self.async_host:  # as the engine: the live time corrects the profile
-            self.planner.step_cost.observe(int(shape.tokens.max()), device_s)
+            self.planner.observe_step(int(shape.tokens.max()), device_s, sum(len(sc.scheduled) for sc in scheds),
+                                      drafting=any(s.num_draft for sc in scheds for s in sc.scheduled))
         self._count_comm(shape)
         drafted = verified = accepted = 0
         one = [self._token]  # one list for every plain decode row (update only reads it)

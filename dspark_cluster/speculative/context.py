@@ -115,11 +115,6 @@ class ContextStash:
         self.rows_flushed = self.flushes = 0  # since start: kept rows sent later, catch-ups that sent some
 
     @property
-    def held(self) -> dict:
-        """seq_id -> the index of the first logged step holding its rows, for each sequence held."""
-        return self.since
-
-    @property
     def rows_held(self) -> int:
         return sum(st.rows for st in self.log)
 

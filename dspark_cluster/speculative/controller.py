@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .drafting import Drafter
-from .on_target import PROFILE_ID, PROFILE_ROWS
+from .on_target import PROFILE_ROWS, profile_calls
 from .proposers import DraftRequest
 from .records import ContextRows, Proposal
 from ..step_builder import profile_input
@@ -123,31 +123,26 @@ class Speculation:
         the target's workers, so it is not measured here (its cost is learnt on live rows)."""
         d, method = self.drafter, self.cfg.speculative.method
         dspark = method == "dspark"
-        if method not in ("dspark", "draft_model") or d.backend is None or (dspark and d.backend.names is not None):
+        if method not in ("dspark", "draft_model") or d.backend is None or (dspark and d.export()[1] is not None):
             return {}
-        width = self.spec.hidden_size * len(d._export_layers) if dspark else 0
-        spent, out, first = d.stats.draft_time_s, {}, PROFILE_ID
-        for r in rows:  # (each pass its own ids: a freed id's late rows are dropped by the proposer)
-            ids, first = list(range(first, first - r, -1)), first - r
-            tokens = [[2 + (7 * j + 3 * i) % max(self.spec.vocab_size - 2, 1) for i in range(context + repeats + 1)]
-                      for j in range(r)]
+        width = self.spec.hidden_size * len(d.export()[0]) if dspark else 0
+        vocab = max(self.spec.vocab_size - 2, 1)
+
+        def prepare(ids, i):  # a DSpark drafter's context rows: the prompt's, then the row the last step committed
+            r = len(ids)
             if dspark:
-                d.ingest(ContextRows(torch.tensor(ids), torch.zeros(r, dtype=torch.long), torch.full((r,), context),
-                                     torch.randn(r * context, width)))
-            times = []
-            for i in range(repeats + 1):
-                if dspark and i:  # the row the last step committed
-                    d.ingest(ContextRows(torch.tensor(ids), torch.full((r,), context + i - 1),
-                                         torch.ones(r, dtype=torch.long), torch.randn(r, width)))
-                reqs = [DraftRequest(sid, tokens[j][: context + 1 + i], self.lookahead, position=i)
-                        for j, sid in enumerate(ids)]
-                t = time.perf_counter()
-                d.propose(reqs)
-                times.append(time.perf_counter() - t)
-            d.free(ids, flush=True)
-            out[r] = min(times[1:])
+                d.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1),
+                                     torch.full((r,), context if i == 0 else 1),
+                                     torch.randn(r * (context if i == 0 else 1), width)))
+
+        def call(ids, i):
+            d.propose([DraftRequest(sid, [2 + (7 * j + 3 * t) % vocab for t in range(context + 1 + i)],
+                                    self.lookahead, position=i) for j, sid in enumerate(ids.tolist())])
             if not d.alive:
-                return {}
+                raise RuntimeError("the drafter failed in its start-up profile")
+
+        spent = d.stats.draft_time_s
+        out = profile_calls(prepare, call, lambda ids: d.free(ids.tolist(), flush=True), rows, repeats)
         d.stats.draft_time_s = spent
         log.info("drafter, ms a drafting call by rows: %s", ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
         return out
@@ -405,11 +400,13 @@ class Speculation:
                 "draft_len": max((s.num_lookahead for sc in scheds for s in sc.scheduled), default=0),
                 "drafter_version": self.drafter_version}
 
-    def observe_step_cost(self, tokens: int, seconds: float, host_s: Optional[float] = None) -> None:
+    def observe_step_cost(self, tokens: int, seconds: float, host_s: Optional[float] = None,
+                          num_rows: int = 0, drafting: bool = False) -> None:
         """A step that did not overlap another: its tokens and the workers' seconds; host_s, with async
-        scheduling on, the host's seconds in it (what a plain step would have hidden)."""
+        scheduling on, the host's seconds in it (what a plain step would have hidden); num_rows its
+        sequences; drafting: it verified drafts."""
         if self.planner is not None:
-            self.planner.step_cost.observe(tokens, seconds)
+            self.planner.observe_step(tokens, seconds, num_rows, drafting)
             if host_s is not None:
                 self.planner.observe_host(host_s)
 

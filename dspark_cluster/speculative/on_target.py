@@ -31,6 +31,26 @@ PROFILE_ID = -(1 << 40)  # the profile's synthetic sequences count down from her
 log = logging.getLogger(__name__)
 
 
+def profile_calls(prepare, call, free, rows=PROFILE_ROWS, repeats: int = 3) -> dict[int, float]:
+    """A drafter's start-up profile: for each count r in `rows`, r synthetic sequences (ids [r] counting
+    down from PROFILE_ID, each pass its own: a freed id's late rows are dropped by a proposer); for
+    i = 0 .. repeats, prepare(ids, i) untimed (the context rows a step would have delivered), then
+    call(ids, i) timed; free(ids). Returns r -> the fastest call after the first (the first computes the
+    whole context; a busy machine only adds time)."""
+    out, first = {}, PROFILE_ID
+    for r in rows:
+        ids, first = torch.arange(first, first - r, -1), first - r
+        times = []
+        for i in range(repeats + 1):
+            prepare(ids, i)
+            t = time.perf_counter()
+            call(ids, i)
+            times.append(time.perf_counter() - t)
+        free(ids)
+        out[r] = min(times[1:])
+    return out
+
+
 class TargetDrafter:
     def __init__(self, draft_model: str, target_path: str, target_spec, device, num_tokens: int, context_window):
         self.proposer: Optional[DSparkProposer] = DSparkProposer(draft_model, target_path, target_spec, device,
@@ -137,28 +157,23 @@ class TargetDrafter:
 
     def measure(self, rows=PROFILE_ROWS, context: int = 32, repeats: int = 3) -> dict[int, float]:
         """Seconds of a drafting call (`propose`, what a step reports as draft_s) for `rows` sequences
-        of `context` tokens drafting num_tokens each, once their context is in (the fastest of `repeats`
-        calls after the first, which computes the whole context: a busy machine only adds time):
-        synthetic sequences, freed after."""
+        of `context` tokens drafting num_tokens each, once their context is in (`profile_calls`):
+        random context rows, then one committed row before each call."""
         p = self.proposer
         width = p.c.target_hidden_size * len(p.layer_ids)
-        out, first = {}, PROFILE_ID
-        for r in rows:  # (each pass its own ids: a freed id's late rows are dropped by the proposer)
-            ids, first = torch.arange(first, first - r, -1), first - r
-            p.ingest(ContextRows(ids, torch.zeros(r, dtype=torch.long), torch.full((r,), context),
-                                 torch.randn(r * context, width, device=p.device)))
-            times = []
-            for i in range(repeats + 1):
-                if i:  # the row the last step committed
-                    p.ingest(ContextRows(ids, torch.full((r,), context + i - 1), torch.ones(r, dtype=torch.long),
-                                         torch.randn(r, width, device=p.device)))
-                full = lambda v, dtype=torch.long: torch.full((r,), v, dtype=dtype)  # noqa: E731
-                t = time.perf_counter()
-                self.propose(full(self.num_tokens), ids, full(context + 1 + i), full(2), full(0.0, torch.float32),
-                             full(0), full(1.0, torch.float32), full(-1), full(i))
-                times.append(time.perf_counter() - t)
-            p.free(ids.tolist())
-            out[r] = min(times[1:])
+
+        def prepare(ids, i):  # the prompt's rows, then the row the last step committed
+            r = len(ids)
+            p.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1),
+                                 torch.full((r,), context if i == 0 else 1), torch.randn(r * (context if i == 0 else 1),
+                                                                                        width, device=p.device)))
+
+        def call(ids, i):
+            full = lambda v, dtype=torch.long: torch.full((len(ids),), v, dtype=dtype)  # noqa: E731
+            self.propose(full(self.num_tokens), ids, full(context + 1 + i), full(2), full(0.0, torch.float32),
+                         full(0), full(1.0, torch.float32), full(-1), full(i))
+
+        out = profile_calls(prepare, call, lambda ids: p.free(ids.tolist()), rows, repeats)
         p.peak_context_bytes = p.ingested_rows = p.misses = 0
         self.num_proposed = 0
         log.info("drafter on the target, ms a drafting call by rows: %s",
