@@ -103,6 +103,8 @@ def main():
                     help="calibrations scored beside it on the same live rounds")
     ap.add_argument("--out", default=None, help="results as JSON")
     ap.add_argument("--plot-dir", default=None, help="write verify_budget_<drafter>.png here")
+    ap.add_argument("--rounds-out", default=None,
+                    help="part 3's verify outcomes, step by step, to <this>.<drafter>.npz (for launch/replay_calibration.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     drafters = [d for d in args.drafters.split(",") if d]
@@ -154,8 +156,19 @@ def main():
         p = llm.engine.planner
         p.reset_calibration(args.calibration, tuple(m for m in args.calib_compare.split(",") if m))
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
+        steps, observe = [], p.observe
+        if args.rounds_out:  # every step's outcomes, as the planner saw them
+            p.observe = lambda raw, ver, acc: (steps.append((raw, ver, acc)), observe(raw, ver, acc))
         for i in range(args.calib_requests):
             llm.generate([held_out[i % len(held_out)]], params)
+        p.observe = observe
+        if args.rounds_out:
+            import numpy as np
+
+            np.savez(f"{args.rounds_out}.{d}.npz", conf=np.concatenate([x[0] for x in steps]),
+                     verified=np.concatenate([np.asarray(x[1]) for x in steps]),
+                     accepted=np.concatenate([np.asarray(x[2]) for x in steps]),
+                     step_rows=np.array([len(x[0]) for x in steps]))
         load += [open("/proc/loadavg").read().split()[:3]] if load else []
         spec = llm.engine.speculative_summary()
         cal = {**spec["calibration"], **p.calibration_report(floors=True)}

@@ -396,7 +396,9 @@ def test_simulated_idle_drafter_exports_nothing_and_catches_up(tmp_path):
     """As the engine with the workers' ContextStash: steps that draft nothing export no rows; a
     static schedule (drafting every step) exports every committed row. (Also: rows the verify budget
     cut to nothing are outcomes, as in the engine: else a drafter this poor keeps it learning.)"""
-    base = [f"report.out_dir={tmp_path}", "workload.num_requests=16", "speculative.method=dspark",
+    # (32 requests: learning exports a fixed ~3 MB here, its 4 rows' contexts, which 16 requests' run is too short to
+    # leave under the bound since the prior gate learns at 16 rows)
+    base = [f"report.out_dir={tmp_path}", "workload.num_requests=32", "speculative.method=dspark",
             "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4", "speculative.placement=group"]
     exported = {}
     for schedule, survival in (("static", [0.9, 0.8, 0.7, 0.6]), ("confidence", [0.02, 0.01, 0.005, 0.001])):

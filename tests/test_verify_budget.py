@@ -389,6 +389,7 @@ def test_the_prior_gate_does_not_reopen_as_decode_steps_slow_down():
     drafting step (its cost interpolated between them) look cheap enough to reopen the gate."""
     profile = StepCost([8, 64, 256, 320], [0.003, 0.004, 0.010, 0.012])
     planner = VerifyPlanner(4, profile, "dspark")
+    planner.prior_acceptance = 0.7  # (the profile is made for a drafter of 0.7 a position)
     for rows in (1, 4, 16):
         planner.draft_cost.observe(rows, 1, 0.001)
     assert planner._prior_k(48) == 0
@@ -423,6 +424,12 @@ def test_a_drafting_step_slower_than_its_profile_stops_drafting_at_once():
         planner.observe_step(tokens, 1.5 * float(profile._profile(tokens)), 8, drafting=True)
         k = planner.draft_len(8)
     assert drafting_steps <= 2
+    # the ratio expires: after ratio_horizon steps step_cost decides again (a burst of slow drafting steps, e.g.
+    # a few long contexts, must not stop drafting for good), and a loss stops it again as fast
+    for _ in range(planner.ratio_horizon):
+        planner.observe_step(8, float(profile(8)), 8, drafting=False)
+        assert planner.draft_len(8) == 0 or planner._drafting_ratio(8) == 1.0
+    assert planner.draft_len(8) > 0
     # one slow step, plain or drafting, does not move the choice
     planner, profile = planner_at_8_rows()
     planner.observe_step(8, 3 * float(profile(8)), 8, drafting=False)
@@ -431,3 +438,22 @@ def test_a_drafting_step_slower_than_its_profile_stops_drafting_at_once():
     for _ in range(20):
         assert planner.draft_len(8) > 0
         planner.observe_step(8 * (1 + k), float(profile(8 * (1 + k))), 8, drafting=True)
+
+
+def test_the_prior_gate_leaves_the_drafting_steps_ratio_to_the_learned_choice():
+    """The first drafting steps (learning) may run slower than profiled (cold, few); the prior gate asks
+    only whether a good drafter could pay at this load, so their ratio does not close it (it did at batch
+    1 in process, where tiny-dspark pays 1.2x); the learned choice, once outcomes are in, uses it."""
+    profile = StepCost([1, 8, 16, 64], [0.0015, 0.0020, 0.0025, 0.0050])
+    planner = VerifyPlanner(6, profile, "dspark")
+    for rows in (1, 4, 16):
+        planner.draft_cost.observe(rows, 1, 0.003)
+    assert planner.draft_len(1) == 6 and planner._learning
+    for _ in range(2):  # two learning steps at 2x their profile
+        planner.observe_step(7, 2 * float(profile(7)), 1, drafting=True)
+    planner._prior_memo.clear()
+    assert planner.draft_len(1) == 6 and planner._learning
+    planner.mean_survival = 0.8 ** np.arange(1, 7)  # outcomes in: a drafter that pays only as profiled
+    assert planner._best_k(1, planner.mean_survival) == 0
+    planner.drafting_ratio.clear()
+    assert planner._best_k(1, planner.mean_survival) > 0

@@ -229,14 +229,20 @@ class VerifyPlanner:
         self.hidden_host_s = 0.0
         # a drafting step's live time over what step_cost predicted for it, by power of 2 of rows: what a
         # drafting step pays beyond a plain step of its tokens (through Ray a 56-token step at 8 rows profiled
-        # 6.0 ms took 7.6-9.5 ms). The median of the last 9, the first ones beside two of the standing guess:
-        # a consistent excess is believed after 2-3 drafting steps (at step_cost's alpha the planner believed
-        # it after ~20 and drafted at a loss for 47), a single slow step never
-        self.drafting_ratio: dict[int, deque] = {}
-        # before any outcome: a typical drafter's acceptance at each position given the one before (DSpark's
-        # and EAGLE's first positions read 0.7-0.8; a poorer drafter is found out by its outcomes); None:
-        # learn first at any load
-        self.prior_acceptance: Optional[float] = 0.7
+        # 6.0 ms took 7.6-9.5 ms; step_cost's alpha believed it after ~20 steps, and the planner drafted at a
+        # loss for 47). A short-term word on top of step_cost, which learns the same steps slowly: the median
+        # of the latest ratios (at most 9, of the last ratio_horizon steps) and two of 1, so a consistent excess
+        # stops drafting after 2-3 steps and a single slow step never does; expired, it leaves the decision to
+        # step_cost again (kept, a burst of slow steps stopped drafting for good at batch 1, where it paid)
+        self.drafting_ratio: dict[int, deque] = {}  # rows' power of 2 -> (step, ratio)
+        self.ratio_horizon = 256
+        self._steps_seen = 0
+        # before any outcome: a good drafter's acceptance at each position given the one before (DSpark's and
+        # EAGLE's first positions read 0.7-0.8): the gate asks whether learning could pay off at this load, and
+        # a poorer drafter is found out by its outcomes (at 0.7 the gate closed at batch 1 in process, where
+        # tiny-dspark pays, whenever the start-up profile read the drafter a little slow); None: learn first
+        # at any load
+        self.prior_acceptance: Optional[float] = 0.8
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
@@ -366,8 +372,12 @@ class VerifyPlanner:
         ks = np.arange(self.k + 1)
         forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
         sizes = num_rows * (1 + ks)
-        steps = self.step_cost.at_load_of(sizes, num_rows) if at_load else self.step_cost(sizes)
-        steps[1:] *= self._drafting_ratio(num_rows)
+        if at_load:
+            steps = self.step_cost.at_load_of(sizes, num_rows)
+        else:  # (not the prior gate: it asks whether a typical drafter could pay from the start-up profile; the
+            # learning steps' own ratio, two or three cold steps, closed it at batch 1 where drafting paid)
+            steps = self.step_cost(sizes)
+            steps[1:] *= self._drafting_ratio(num_rows)
         cost = steps + forwards * self.draft_cost.per_forward_s(num_rows)
         cost[1:] += self.hidden_host_s  # a plain step hides the host's work (async scheduling); a drafting one waits
         theta = num_rows * (1 + a) / cost
@@ -384,23 +394,28 @@ class VerifyPlanner:
     # ---- observations ----------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int = 0, drafting: bool = False) -> None:
         """A live step's time: step_cost learns it; a drafting step (num_rows rows) also the ratio of its
-        time to step_cost's prediction, and if that moves by more than 5% the learned choices are made
-        again now, not after their memo_steps."""
+        time to step_cost's prediction, and if that moves the drafting cost by more than 5% the learned
+        choices are made again now, not after their memo_steps."""
+        self._steps_seen += 1
         if drafting and num_rows > 0:
             ratio = min(max(seconds / max(float(self.step_cost(num_tokens)), 1e-9), 0.5), 3.0)
-            b = int(round(math.log2(num_rows)))
             before = self._drafting_ratio(num_rows)
-            self.drafting_ratio.setdefault(b, deque([before, before], maxlen=9)).append(ratio)
+            q = self.drafting_ratio.setdefault(int(round(math.log2(num_rows))), deque(maxlen=9))
+            q.append((self._steps_seen, ratio))
             if abs(self._drafting_ratio(num_rows) - before) > 0.05 * before:
                 self._memo.clear()
         self.step_cost.observe(num_tokens, seconds)
 
     def _drafting_ratio(self, num_rows: int) -> float:
-        """drafting_ratio at this many rows: the nearest power of 2 observed, 1 before any."""
-        if not self.drafting_ratio:
+        """drafting_ratio at this many rows: at the nearest power of 2 with ratios of the last ratio_horizon
+        steps, their median beside two of 1; 1 where there are none."""
+        since = self._steps_seen - self.ratio_horizon
+        live = {b: [r for t, r in q if t > since] for b, q in self.drafting_ratio.items()}
+        live = {b: rs for b, rs in live.items() if rs}
+        if not live:
             return 1.0
         x = math.log2(max(num_rows, 1))
-        return statistics.median(self.drafting_ratio[min(self.drafting_ratio, key=lambda b: abs(b - x))])
+        return statistics.median([1.0, 1.0] + live[min(live, key=lambda b: abs(b - x))])
 
     def observe_host(self, seconds: float, alpha: float = 0.05) -> None:
         """The host's time in a step that did not overlap the workers' (async scheduling on): what a plain
@@ -461,7 +476,7 @@ class VerifyPlanner:
                "window_rounds": len(self.window), "live_rounds": len(self.live),
                "mean_survival": None if self.mean_survival is None else self.mean_survival.round(4).tolist(),
                "step_cost": self.step_cost.table(),
-               "drafting_step_ratio": {2 ** b: round(statistics.median(q), 3) for b, q in self.drafting_ratio.items()}}
+               "drafting_step_ratio": {2 ** b: round(self._drafting_ratio(2 ** b), 3) for b in self.drafting_ratio}}
         if time.monotonic() - self._report_t > 10.0:  # /health and /metrics ask often: not every time
             self._report, self._report_t = self.calibration_report(), time.monotonic()
         return {**out, **self._report}

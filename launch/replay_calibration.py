@@ -1,0 +1,94 @@
+"""Calibration variants replayed on recorded live rounds (issue 28: ECE by position <= 2%).
+
+    python launch/bench_schedule.py --drafters dspark --batches 1 --static "" --poisson "" --repeats 1 \\
+        --calib-requests 512 --rounds-out runs/rounds          # writes runs/rounds.dspark.npz
+    python launch/replay_calibration.py runs/rounds.dspark.npz [--variants isotonic,isotonic:num_bins=20,sts] [--json OUT]
+
+Each variant is a calibration method of `speculative/confidence.py`, optionally with keyword arguments
+for its fit and for the planner (`name:key=value:key=value@window=4000@refit_every=250`). The recorded steps are fed, in their order, to a fresh
+`VerifyPlanner` (the engine's window and refit schedule) whose method in force is the variant, so every
+round is scored with the fits in force when it ran, made on earlier rounds only, exactly as live; then
+ECE by position, its noise floor and the Brier score, as `bench_schedule.py` part 3 prints them. The
+verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
+on the same rounds, not on the rounds it would have chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from dspark_cluster.speculative import confidence  # noqa: E402
+from dspark_cluster.speculative.verify_budget import StepCost, VerifyPlanner  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """`name:key=value...@key=value...` -> (method, its fit's keywords, the planner's keywords)."""
+    method, *planner = text.split("@")
+    name, *fit = method.split(":")
+    kws = [{}, {}]
+    for kw, items in zip(kws, (fit, planner)):
+        for item in items:
+            key, value = item.split("=")
+            kw[key] = json.loads(value)
+    return name, kws[0], kws[1]
+
+
+def replay(rounds: dict, variant: str) -> dict:
+    """The planner's calibration report after feeding it the recorded steps, with `variant` in force."""
+    name, kw, planner_kw = parse_variant(variant)
+    fit, apply = confidence.CALIBRATIONS[name]
+    patched = dict(confidence.CALIBRATIONS)
+    try:
+        if kw:  # the planner fits by name: the variant's keywords go in under the method's own name
+            confidence.CALIBRATIONS[name] = (partial(fit, **kw), apply)
+        conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
+        planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), "dspark", calibration=name, compare=(),
+                                **planner_kw)
+        start = 0
+        for n in rounds["step_rows"].tolist():
+            planner.observe(conf[start : start + n], ver[start : start + n], acc[start : start + n])
+            start += n
+        return planner.calibration_report(floors=True)
+    finally:
+        confidence.CALIBRATIONS.clear()
+        confidence.CALIBRATIONS.update(patched)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rounds", nargs="+", help="npz files written by bench_schedule.py --rounds-out")
+    ap.add_argument("--variants", default="isotonic,sts")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = {}
+    pct = lambda xs: " ".join(f"{100 * x:4.1f}" for x in xs)  # noqa: E731
+    for path in args.rounds:
+        rounds = dict(np.load(path))
+        print(f"{path}: {len(rounds['conf'])} rounds in {len(rounds['step_rows'])} steps", flush=True)
+        out[path] = {}
+        for i, v in enumerate(args.variants.split(",")):
+            r = replay(rounds, v)
+            name = parse_variant(v)[0]
+            out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],
+                            "brier": r["brier_by_method"][name], "rounds_by_position": r["rounds_by_position"]}
+            if i == 0:
+                print(f"  {'rounds':28s} {r['rounds_by_position']}")
+                print(f"  {'raw':28s} ECE % {pct(r['ece_before_by_position'])} | Brier sum "
+                      f"{sum(r['brier_by_method']['raw']):.4f}")
+            print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
+                  f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
