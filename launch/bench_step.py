@@ -1,5 +1,6 @@
 """The decode step, counted and timed in process (issue 27): tensor operations and host
-synchronisations per layer, the forward's time at batch 1 and 64, and the LLM's TPOT at batch 1
+synchronisations per layer, the forward's time at batch 1 and 64 (and of a verify step: 7 new tokens a
+sequence, at 1 and 8 sequences), and the LLM's TPOT at batch 1
 with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
@@ -59,17 +60,19 @@ def count(fn):
     return c
 
 
-def decode_forward(model, batch: int, context: int, block_size: int = 16):
+def decode_forward(model, batch: int, context: int, block_size: int = 16, query: int = 1):
+    """A step of `batch` sequences at `context` tokens, each with `query` new tokens (1: decode; k + 1: a
+    verify step of k drafts), the logits of every new token (a verify step samples them all)."""
     blocks = -(-context // block_size)
     allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
     tables = torch.arange(batch * blocks).view(batch, blocks)
-    ids = torch.randint(0, model.spec.vocab_size, (batch,))
-    q, ctx = torch.ones(batch, dtype=torch.long), torch.full((batch,), context)
+    ids = torch.randint(0, model.spec.vocab_size, (batch * query,))
+    q, ctx = torch.full((batch,), query), torch.full((batch,), context)
 
     @torch.inference_mode()
     def run():  # metadata and forward, as a worker runs a step (sampling aside)
         positions, meta = build_metadata(q, ctx, tables, block_size)
-        return model.compute_logits(model(ids, positions, meta.to("cpu", torch.float32))[-batch:])
+        return model.compute_logits(model(ids, positions, meta.to("cpu", torch.float32))[-batch * query:])
 
     @torch.inference_mode()
     def metadata():  # the metadata alone: its share of the counted ops
@@ -121,15 +124,16 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     spec = load_spec(args.model, "float32")
     res = {"layers": spec.num_layers}
-    for batch in (1, 64):
+    for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7)):
         model = load_model(args.model, spec)
-        run = decode_forward(model, batch, 128)
+        run = decode_forward(model, batch, 128, query=query)
         ms = timed(run, args.steps if batch == 1 else args.steps // 4)
         c = count(run)
         meta_ops = sum(count(run.metadata).ops.values()) if hasattr(run, "metadata") else None
-        res[f"b{batch}"] = {"forward_ms": ms, "ops": sum(c.ops.values()), "ops_per_layer": sum(c.ops.values()) / spec.num_layers,
+        key = f"b{batch}" if query == 1 else f"verify_b{batch}_q{query}"
+        res[key] = {"forward_ms": ms, "ops": sum(c.ops.values()), "ops_per_layer": sum(c.ops.values()) / spec.num_layers,
                             "metadata_ops": meta_ops, "host_syncs": c.syncs, "top_ops": c.ops.most_common(12)}
-        print(f"batch {batch}: forward {ms:.3f} ms, {sum(c.ops.values())} ops "
+        print(f"{key}: forward {ms:.3f} ms, {sum(c.ops.values())} ops "
               f"({sum(c.ops.values()) / spec.num_layers:.1f} per layer; {meta_ops} of them the metadata's), "
               f"{c.syncs} host syncs", flush=True)
     has_compile = "compile" in Config.model_fields["model"].annotation.model_fields

@@ -29,6 +29,9 @@ class AttentionBatch:
     attn_mask: torch.Tensor  # [B, 1, max_q, S] additive: 0 = attend, -inf = masked
     max_q: int
     num_seqs: int
+    # every sequence has max_q queries (one prompt, verify rows of one draft length): the padded layout is the
+    # tokens' own, so no pad row and no gathers in or out
+    uniform: bool = False
     _folded: dict = field(default_factory=dict)
 
     def to(self, device, dtype=torch.float32) -> "AttentionBatch":
@@ -150,6 +153,7 @@ def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
         attn_mask=torch.from_numpy(np.where(mask, np.float32(0), np.float32(-np.inf))[:, None]),
         max_q=max_q,
         num_seqs=B,
+        uniform=bool((q == max_q).all()),
     )
 
 
@@ -207,13 +211,14 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
     if max_q == 1:  # decodes only: one query per sequence, already in sequence order
         q_pad = q if q.dim() == 4 else q.view(B, Hkv, G, Dk)
     else:
-        q_pad = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)  # [B * max_q, Hq, Dk]
-        q_pad = q_pad.view(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
+        if not b.uniform:  # [B * max_q, Hq, Dk], each sequence's queries padded with a zero row
+            q = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)
+        q_pad = q.reshape(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
     out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
     if max_q == 1:
         return out[..., :Dv] if q.dim() == 4 else out[..., :Dv].reshape(B, Hq, Dv)
     out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
-    return out.index_select(0, b.token_to_padded)
+    return out if b.uniform else out.index_select(0, b.token_to_padded)
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,

@@ -129,11 +129,10 @@ class Speculation:
         vocab = max(self.spec.vocab_size - 2, 1)
 
         def prepare(ids, i):  # a DSpark drafter's context rows: the prompt's, then the row the last step committed
-            r = len(ids)
+            r, n = len(ids), context if i == 0 else 1
             if dspark:
-                d.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1),
-                                     torch.full((r,), context if i == 0 else 1),
-                                     torch.randn(r * (context if i == 0 else 1), width)))
+                d.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1), torch.full((r,), n),
+                                     torch.randn(r * n, width)))
 
         def call(ids, i):
             d.propose([DraftRequest(sid, [2 + (7 * j + 3 * t) % vocab for t in range(context + 1 + i)],

@@ -163,10 +163,9 @@ class TargetDrafter:
         width = p.c.target_hidden_size * len(p.layer_ids)
 
         def prepare(ids, i):  # the prompt's rows, then the row the last step committed
-            r = len(ids)
-            p.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1),
-                                 torch.full((r,), context if i == 0 else 1), torch.randn(r * (context if i == 0 else 1),
-                                                                                        width, device=p.device)))
+            r, n = len(ids), context if i == 0 else 1
+            p.ingest(ContextRows(ids, torch.full((r,), 0 if i == 0 else context + i - 1), torch.full((r,), n),
+                                 torch.randn(r * n, width, device=p.device)))
 
         def call(ids, i):
             full = lambda v, dtype=torch.long: torch.full((len(ids),), v, dtype=dtype)  # noqa: E731

@@ -374,7 +374,7 @@ class VerifyPlanner:
         sizes = num_rows * (1 + ks)
         if at_load:
             steps = self.step_cost.at_load_of(sizes, num_rows)
-        else:  # (not the prior gate: it asks whether a typical drafter could pay from the start-up profile; the
+        else:  # (not the prior gate: it asks whether a good drafter could pay from the start-up profile; the
             # learning steps' own ratio, two or three cold steps, closed it at batch 1 where drafting paid)
             steps = self.step_cost(sizes)
             steps[1:] *= self._drafting_ratio(num_rows)
