@@ -326,14 +326,17 @@ class VerifyPlanner:
             # (`prior_acceptance` a position) would pay; elsewhere the paced exploration learns (the gate
             # is a guess too: a start-up profile taken on a loaded machine reads the drafter slow)
             measured = sum(len(q) for q in self.draft_cost.samples.values())
-            if self.prior_acceptance is not None and measured >= 3 and self._prior_k(num_rows) == 0:
+            k = self._prior_k(num_rows) if self.prior_acceptance is not None and measured >= 3 else self.k
+            if k == 0:
                 if self._explore_due():
                     self.exploring = True
                     return self.k
                 self._since_draft += 1
                 return 0
-            self.exploring = self._learning = True  # (learning is not paced as the exploration is)
-            return self.k
+            # (learning is not paced as the exploration is; it drafts the length the prior chose: a draft
+            # model's k forwards at the full k cost 2x at batch 1 for its 50 outcomes, where the prior drafts 1)
+            self.exploring = self._learning = True
+            return k
         if self._explore_due():
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
             return self.k
