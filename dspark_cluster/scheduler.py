@@ -43,6 +43,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (KV capacity)
+    lookahead: int = 0  # the draft slots a decode row could reserve in this step (0: no row drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +118,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(lookahead=self.lookahead if self.speculation_enabled else 0)
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:

@@ -288,6 +288,12 @@ class Speculation:
                 continue
             g = groups[gi] if groups is not None else None
             drafts = g is None or (g.speculation_enabled and g.lookahead > 0)
+            if not drafts and not self._asked:  # the idle step: no row exports, every speculating one is kept
+                ids = [s.seq.seq_id if s.seq.params.speculative else -1 for s in sc.scheduled]
+                self.stale.update(ids)
+                self.stale.discard(-1)
+                out.append(self._fields(export, sc, ids, None, extra, drafts))
+                continue
             ids, rows_out = [], []
             for s in sc.scheduled:
                 sid = s.seq.seq_id if s.seq.params.speculative else -1
@@ -302,19 +308,25 @@ class Speculation:
                         self.num_catch_ups += 1
                 else:
                     self.stale.add(sid)
-            fields = {"export_to": export[1],  # the layers (export[0]) are the workers' setup
-                      "seq_ids": torch.tensor(ids, dtype=torch.long), **extra}
-            if not all(rows_out):
-                fields["export_rows"] = torch.tensor(rows_out, dtype=torch.bool)
-            if self.record_rounds:
-                fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
-                                                       dtype=torch.bool)
-            if self.on_target and drafts:
-                k = [self._asked.get(s.seq.seq_id, 0) for s in sc.scheduled if s.samples]
-                if any(k):
-                    fields["propose_k"] = torch.tensor(k, dtype=torch.long)
-            out.append(fields)
+            out.append(self._fields(export, sc, ids, rows_out, extra, drafts))
         return out
+
+    def _fields(self, export, sc, ids: list, rows_out: Optional[list], extra: dict, drafts: bool) -> dict:
+        """One group's StepInput fields (step_fields); rows_out None: no row exports."""
+        fields = {"export_to": export[1],  # the layers (export[0]) are the workers' setup
+                  "seq_ids": torch.tensor(ids, dtype=torch.long), **extra}
+        if rows_out is None:
+            fields["export_rows"] = torch.zeros(len(ids), dtype=torch.bool)
+        elif not all(rows_out):
+            fields["export_rows"] = torch.tensor(rows_out, dtype=torch.bool)
+        if self.record_rounds:
+            fields["record_rounds"] = torch.tensor([s.seq.params.calibrate for s in sc.scheduled if s.samples],
+                                                   dtype=torch.bool)
+        if self.on_target and drafts:
+            k = [self._asked.get(s.seq.seq_id, 0) for s in sc.scheduled if s.samples]
+            if any(k):
+                fields["propose_k"] = torch.tensor(k, dtype=torch.long)
+        return fields
 
     def _to_propose(self, scheds, groups, exploring: bool) -> dict:
         """Placement target: seq_id -> tokens to draft after this step, for the sample rows of the groups
@@ -390,6 +402,8 @@ class Speculation:
     def step_stats(self, scheds) -> dict:
         """Positions drafted and verified this step (the verify budget is num_tokens + num_verified:
         every token the step ran), and the longest draft slot reserved."""
+        if not any(sc.lookahead for sc in scheds):  # no row could draft (the idle step: no loop over its rows)
+            return {"num_drafted": 0, "num_verified": 0, "draft_len": 0, "drafter_version": self.drafter_version}
         drafted = sum(len(s.draft_confidences) - int(np.isnan(s.draft_confidences).sum())
                       if s.draft_confidences is not None else s.num_draft for sc in scheds for s in sc.scheduled)
         verified = sum(s.num_draft for sc in scheds for s in sc.scheduled)

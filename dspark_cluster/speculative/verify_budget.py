@@ -353,16 +353,17 @@ class VerifyPlanner:
     def _prior_k(self, num_rows: int) -> int:
         """_best_k at the prior survival (no outcomes yet), every step size at the plain step's correction (no
         drafting step has run: interpolated corrections drift with the contexts, and reopened the gate mid-run)."""
-        return self._memoised(self._prior_memo, num_rows, self.prior_acceptance ** np.arange(1, self.k + 1),
-                              at_load=True)
+        return self._memoised(self._prior_memo, num_rows, None, at_load=True)
 
-    def _memoised(self, memo: dict, num_rows: int, mean_survival: np.ndarray, at_load: bool = False) -> int:
+    def _memoised(self, memo: dict, num_rows: int, mean_survival: Optional[np.ndarray], at_load: bool = False) -> int:
         """_best_k, reused for memo_steps steps of the same load (it runs every step, and the estimates
         move slowly; a refit clears the learned memo, a new drafter cost measurement the prior's)."""
         got = memo.get(num_rows)
         if got is not None and got[1] > 0:
             memo[num_rows] = (got[0], got[1] - 1)
             return got[0]
+        if mean_survival is None:  # the prior's (made here, on a miss: this runs every step)
+            mean_survival = self.prior_acceptance ** np.arange(1, self.k + 1)
         k = self._best_k(num_rows, mean_survival, at_load)
         memo[num_rows] = (k, self.memo_steps)
         return k
