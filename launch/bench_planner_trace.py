@@ -28,16 +28,15 @@ import torch  # noqa: E402
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
 from dspark_cluster.config import ASSETS_DIR  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
+from launch.bench_schedule import DRAFTERS  # noqa: E402
 
-DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark"}
 
-
-def run_load(llm, prompts, times: int, params) -> tuple[float, list]:
-    """tok/s over `times` generates of `prompts`-sized groups (the next ones each time), and the step records."""
+def run_load(llm, groups, params) -> tuple[float, list]:
+    """tok/s over one generate per group of prompts, in order, and the step records."""
     llm.engine.step_record = []
     t0 = time.perf_counter()
     tokens = 0
-    for group in prompts:
+    for group in groups:
         outs = llm.generate(group, params)
         tokens += sum(len(o.token_ids) for o in outs)
     records, llm.engine.step_record = llm.engine.step_record, None
@@ -74,14 +73,14 @@ def main():
         b, n = int(b), int(n or 1)
         groups = [[held_out[(nxt + i * b + j) % len(held_out)] for j in range(b)] for i in range(n)]
         nxt += b * n
-        tok_s, records = run_load(llms["spec"], groups, n, params)
+        tok_s, records = run_load(llms["spec"], groups, params)
         row = {"load": load, "tok_s": tok_s, "steps": len(records),
                "drafting_steps": sum(r["num_verified"] > 0 for r in records),
                "drafted": sum(r["num_drafted"] for r in records),
                "drafting_step_ratio": planner.summary()["drafting_step_ratio"],
                "mean_survival": None if planner.mean_survival is None else planner.mean_survival.round(3).tolist()}
         if "plain" in llms:
-            row["plain_tok_s"] = run_load(llms["plain"], groups, n, params)[0]
+            row["plain_tok_s"] = run_load(llms["plain"], groups, params)[0]
             row["ratio"] = tok_s / row["plain_tok_s"]
         out.append(row)
         ratio = f", {row['ratio']:.3f}x plain" if "ratio" in row else ""
