@@ -156,11 +156,12 @@ def main():
         p = llm.engine.planner
         p.reset_calibration(args.calibration, tuple(m for m in args.calib_compare.split(",") if m))
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
-        steps, observe = [], p.observe
-        if args.rounds_out:  # every step's outcomes, as the planner saw them
-            p.observe = lambda raw, ver, acc: (steps.append((raw, ver, acc)), observe(raw, ver, acc))
+        steps, observe, prompt = [], p.observe, [0]
+        if args.rounds_out:  # every step's outcomes, as the planner saw them, and the prompt they came from
+            p.observe = lambda raw, ver, acc: (steps.append((raw, ver, acc, prompt[0])), observe(raw, ver, acc))
         for i in range(args.calib_requests):
-            llm.generate([held_out[i % len(held_out)]], params)
+            prompt[0] = i % len(held_out)
+            llm.generate([held_out[prompt[0]]], params)
         p.observe = observe
         if args.rounds_out:
             import numpy as np
@@ -168,7 +169,7 @@ def main():
             np.savez(f"{args.rounds_out}.{d}.npz", conf=np.concatenate([x[0] for x in steps]),
                      verified=np.concatenate([np.asarray(x[1]) for x in steps]),
                      accepted=np.concatenate([np.asarray(x[2]) for x in steps]),
-                     step_rows=np.array([len(x[0]) for x in steps]))
+                     step_rows=np.array([len(x[0]) for x in steps]), step_prompt=np.array([x[3] for x in steps]))
         load += [open("/proc/loadavg").read().split()[:3]] if load else []
         spec = llm.engine.speculative_summary()
         cal = {**spec["calibration"], **p.calibration_report(floors=True)}

@@ -10,7 +10,9 @@ for its fit and for the planner (`name:key=value:key=value@window=4000@refit_eve
 round is scored with the fits in force when it ran, made on earlier rounds only, exactly as live; then
 ECE by position, its noise floor and the Brier score, as `bench_schedule.py` part 3 prints them. The
 verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
-on the same rounds, not on the rounds it would have chosen.
+on the same rounds, not on the rounds it would have chosen. --unseen-prompts: each round scored with a fit made
+without its own prompt's rounds (the benchmark cycles 131 prompts: a window longer than a cycle otherwise
+holds the same prompt's identical greedy rounds).
 """
 
 from __future__ import annotations
@@ -62,10 +64,50 @@ def replay(rounds: dict, variant: str) -> dict:
         confidence.CALIBRATIONS.update(patched)
 
 
+def replay_unseen(rounds: dict, variant: str) -> dict:
+    """As `replay`, but each round scored with a fit made on the window without its own prompt's rounds: the
+    calibration a prompt unlike any in the window gets (the benchmark cycles its prompts; a window longer than
+    a cycle otherwise holds the same prompt's identical greedy rounds). Needs the rounds' prompts
+    (bench_schedule.py --rounds-out records them)."""
+    name, kw, planner_kw = parse_variant(variant)
+    fit, apply = confidence.CALIBRATIONS[name]
+    fit = partial(fit, **kw)
+    window, every, min_rounds = (planner_kw.get(k, d) for k, d in (("window", 2000), ("refit_every", 500),
+                                                                     ("min_rounds", 50)))
+    conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
+    prompt = np.repeat(rounds["step_prompt"], rounds["step_rows"])
+    held, snapshot, cache, since, scored = [], None, {}, 0, []
+    start = 0
+    for n in rounds["step_rows"].tolist():
+        rows = range(start, start + n)
+        if snapshot is not None:  # scored with the fits in force, made on earlier rounds
+            for i in rows:
+                if ver[i] == 0:
+                    continue
+                key = (id(snapshot), int(prompt[i]))
+                if key not in cache:
+                    others = snapshot[prompt[snapshot] != prompt[i]]
+                    cache[key] = fit(conf[others], ver[others], acc[others])
+                scored.append((i, confidence.survival(apply(conf[i : i + 1], cache[key]))[0]))
+        held = (held + list(rows))[-window:]
+        since += n
+        start += n
+        if (since >= every or snapshot is None) and len(held) >= min_rounds:
+            snapshot, since, cache = np.array(held), 0, {}
+    idx = np.array([i for i, _ in scored])
+    a = np.stack([x for _, x in scored])
+    return {"ece": confidence.ece_by_position(a, ver[idx], acc[idx]),
+            "floor": confidence.ece_by_position(a, ver[idx], acc[idx], floor=True),
+            "brier": confidence.brier_by_position(a, ver[idx], acc[idx]),
+            "rounds_by_position": [int((ver[idx] > j).sum()) for j in range(conf.shape[1])]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rounds", nargs="+", help="npz files written by bench_schedule.py --rounds-out")
     ap.add_argument("--variants", default="isotonic,sts")
+    ap.add_argument("--unseen-prompts", action="store_true",
+                    help="score each round with a fit made without its own prompt's rounds (replay_unseen)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {}
@@ -75,6 +117,13 @@ def main():
         print(f"{path}: {len(rounds['conf'])} rounds in {len(rounds['step_rows'])} steps", flush=True)
         out[path] = {}
         for i, v in enumerate(args.variants.split(",")):
+            if args.unseen_prompts:
+                out[path][v] = replay_unseen(rounds, v)
+                if i == 0:
+                    print(f"  {'rounds (unseen prompts)':28s} {out[path][v]['rounds_by_position']}")
+                print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
+                      f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
+                continue
             r = replay(rounds, v)
             name = parse_variant(v)[0]
             out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],

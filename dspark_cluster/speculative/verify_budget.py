@@ -204,9 +204,11 @@ class VerifyPlanner:
 
     calibration: the method in force (a name of `confidence.CALIBRATIONS`; "isotonic" measured best on
     live rounds, BENCHMARKS.md "Calibration: STS and isotonic on live rounds"). compare: methods fitted
-    on the same windows and scored on the same live rounds beside it, never used to choose."""
+    on the same windows and scored on the same live rounds beside it, never used to choose. window: 4000
+    rounds (2000 left position 5 at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on prompts the window did not
+    hold, BENCHMARKS.md session 16)."""
 
-    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 2000, refit_every: int = 500,
+    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 500,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
                  calibration: str = "isotonic", compare: tuple = ("sts",)):
         self.k, self.step_cost, self.method = k, step_cost, method
