@@ -134,6 +134,12 @@ class Router:
 
         return ray.get_runtime_context().get_node_id()
 
+    def drafter_names(self) -> list[str]:
+        """This engine's drafter actors, by name (none in process or with the drafter on the target)."""
+        spec = self.core.engine.speculation
+        backend = spec.drafter.backend if spec is not None else None
+        return list(getattr(backend, "names", None) or [])
+
     def worker_reports(self) -> list:
         return getattr(self.core.engine.executor, "reports", [])
 

@@ -408,7 +408,9 @@ def test_versions_publish_to_the_whole_drafter_group_through_ray(checkpoint, ran
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == base
         st = llm.drafter_status()
         v = st["serving_version"]
-        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        # this engine's drafters (not every named drafter in the session's Ray instance: an earlier test's
+        # group may still be going away)
+        names = ray.get(llm.router.drafter_names.remote())
         reports = [ray.get(ray.get_actor(n).version_report.remote()) for n in names]
         # both drafters switched together, to the calibrated version of the last proposal; a newer version
         # may have been staged and made the serving one since (drafters take it with their next proposal)

@@ -108,7 +108,7 @@ def test_through_ray_one_round_a_step_and_no_drafter_process(target, drafter, pr
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == plain
         assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
-        assert not [n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-")]
+        assert not ray.get(llm.router.drafter_names.remote())
         ray.get(llm.router.set_speculation.remote(False))
         half = llm.generate(prompts, GREEDY)
         ray.get(llm.router.set_speculation.remote(True))

@@ -195,7 +195,7 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, check
         assert [o.token_ids for o in outs] == base
         drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
         assert drafted > 0
-        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        names = sorted(ray.get(llm.router.drafter_names.remote()))
         ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
         assert sum(c["ingested_rows"] for c in ctx) >= sum(len(p) for p in prompts)
         stats = ray.get(llm.router.stats.remote())
@@ -242,7 +242,7 @@ def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, 
         while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        old = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        old = sorted(ray.get(llm.router.drafter_names.remote()))
         for name in old:
             ray.kill(ray.get_actor(name), no_restart=True)
         assert [o.token_ids for o in ray.get(ref, timeout=300)] == base
@@ -254,7 +254,7 @@ def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, 
                 break
             assert time.monotonic() < deadline, "the restarted DSpark drafter never took over"
             time.sleep(0.5)
-        new = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        new = sorted(ray.get(llm.router.drafter_names.remote()))
         assert new and not set(new) & set(old)
     finally:
         llm.shutdown()

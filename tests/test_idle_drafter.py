@@ -297,7 +297,7 @@ def test_greedy_identical_through_ray_after_idle_stretches(target, drafter, prom
             t.join()
         ray.get(llm.router.set_speculation.remote(True))
         assert [o.token_ids for o in outs] == base and len(toggles) >= 2
-        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("dspark-drafter-"))
+        names = sorted(ray.get(llm.router.drafter_names.remote()))
         ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
         print(f"drafted {[o.metrics['num_draft_tokens'] for o in outs]}, drafter context {ctx}")
         assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0

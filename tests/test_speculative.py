@@ -257,7 +257,7 @@ def test_killing_the_drafter_mid_run_loses_nothing(draft_tensor, checkpoint, ray
         while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        drafters = drafter_names()
+        drafters = ray.get(llm.router.drafter_names.remote())
         assert len(drafters) == draft_tensor
         victims = drafters if draft_tensor == 1 else [a for a in drafters if a.endswith("-1")]  # TP rank 1
         assert victims
@@ -278,7 +278,8 @@ def test_killing_the_drafter_mid_run_loses_nothing(draft_tensor, checkpoint, ray
                 break
             assert time.monotonic() < deadline, "the restarted drafter group never took over"
             time.sleep(0.5)
-        assert len(drafter_names()) == draft_tensor and not set(drafter_names()) & set(drafters)
+        new = ray.get(llm.router.drafter_names.remote())
+        assert len(new) == draft_tensor and not set(new) & set(drafters)
     finally:
         llm.shutdown()
 
