@@ -2,11 +2,12 @@
 what that cost against plain decoding in the same process.
 
     python launch/bench_planner_trace.py [--method dspark|draft_model] [--loads 1,8,8,8,32] [--k 6]
-        [--max-tokens 64] [--no-plain] [--json OUT]
+        [--max-tokens 64] [--no-plain] [--no-warm-up] [--json OUT]
     python launch/bench_planner_trace.py --loads 1x32,1x32,1x32,1x32,1x32,1x32 --no-plain   # one request at a time
 
 Two engines (`executor: local`, bundled tiny-moe, prefix caching off, one thread): plain decoding and the
-drafter with `schedule: confidence` up to --k. Both warm up on 8 held-out prompts at once. Then each load in
+drafter with `schedule: confidence` up to --k. Both warm up on 8 held-out prompts at once (not with --no-warm-up:
+then the first load meets a fresh planner, as a new engine's first requests do). Then each load in
 order: `B` is one `generate` of B held-out prompts at once, `BxN` N of them one after the other (the next B
 prompts each time), greedy, --max-tokens each. Per load: output tok/s (and / plain, measured right after on the
 same prompts), the steps that verified drafts out of all steps, positions drafted, the planner's drafting-step
@@ -21,7 +22,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# after PYTHONPATH: `launch/ab.py --script-here` runs this script on older trees
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -50,6 +52,7 @@ def main():
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-plain", action="store_true", help="no plain engine (no ratios): the drafter's engine alone")
+    ap.add_argument("--no-warm-up", action="store_true", help="no warm-up generate: the planner starts fresh")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -63,7 +66,7 @@ def main():
     if not args.no_plain:
         llms["plain"] = LLM(config=base)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    for llm in llms.values():
+    for llm in ([] if args.no_warm_up else llms.values()):
         llm.generate(held_out[:8], params)
     planner = llms["spec"].engine.speculation.planner
     out, nxt = [], 0

@@ -2,7 +2,8 @@
 
     python launch/bench_schedule.py --drafters dspark --batches 1 --static "" --poisson "" --repeats 1 \\
         --calib-requests 512 --rounds-out runs/rounds          # writes runs/rounds.dspark.npz
-    python launch/replay_calibration.py runs/rounds.dspark.npz [--variants isotonic,isotonic:num_bins=20,sts] [--json OUT]
+    python launch/replay_calibration.py runs/rounds.dspark.npz [--variants isotonic,isotonic:num_bins=20,sts] \
+        [--unseen-prompts] [--bins 5] [--json OUT]
 
 Each variant is a calibration method of `speculative/confidence.py`, optionally with keyword arguments
 for its fit and for the planner (`name:key=value:key=value@window=4000@refit_every=250`). The recorded steps are fed, in their order, to a fresh
@@ -12,7 +13,8 @@ ECE by position, its noise floor and the Brier score, as `bench_schedule.py` par
 verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
 on the same rounds, not on the rounds it would have chosen. --unseen-prompts: each round scored with a fit made
 without its own prompt's rounds (the benchmark cycles 131 prompts: a window longer than a cycle otherwise
-holds the same prompt's identical greedy rounds).
+holds the same prompt's identical greedy rounds). --bins J: each variant's reliability table at position J (0-based;
+the ECE's 10 equal-width bins: rounds, mean predicted survival, observed survival, and the bin's share of the ECE).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def replay(rounds: dict, variant: str) -> dict:
         for n in rounds["step_rows"].tolist():
             planner.observe(conf[start : start + n], ver[start : start + n], acc[start : start + n])
             start += n
-        return planner.calibration_report(floors=True)
+        live = list(planner.live)
+        preds = np.array([x[1][planner.methods.index(name)] for x in live])
+        ver, acc = (np.array([x[i] for x in live]) for i in (2, 3))
+        return planner.calibration_report(floors=True), (preds, ver, acc)
     finally:
         confidence.CALIBRATIONS.clear()
         confidence.CALIBRATIONS.update(patched)
@@ -96,10 +101,34 @@ def replay_unseen(rounds: dict, variant: str) -> dict:
             snapshot, since, cache = np.array(held), 0, {}
     idx = np.array([i for i, _ in scored])
     a = np.stack([x for _, x in scored])
-    return {"ece": confidence.ece_by_position(a, ver[idx], acc[idx]),
+    return {"scored": (a, ver[idx], acc[idx]),
+            "ece": confidence.ece_by_position(a, ver[idx], acc[idx]),
             "floor": confidence.ece_by_position(a, ver[idx], acc[idx], floor=True),
             "brier": confidence.brier_by_position(a, ver[idx], acc[idx]),
             "rounds_by_position": [int((ver[idx] > j).sum()) for j in range(conf.shape[1])]}
+
+
+def reliability(a: np.ndarray, verified: np.ndarray, accepted: np.ndarray, j: int, num_bins: int = 10) -> list[dict]:
+    """Position j's reliability table (the bins `confidence.ece` sums over): survival predictions a [R, K]
+    on the rounds that verified position j."""
+    observed, survived = confidence.outcomes(verified, accepted, a.shape[1])
+    pred, out = a[observed[:, j], j], survived[observed[:, j], j].astype(np.float64)
+    bins = np.minimum((pred * num_bins).astype(np.int64), num_bins - 1)
+    rows = []
+    for b in range(num_bins):
+        sel = bins == b
+        if sel.any():
+            gap = float(pred[sel].sum() - out[sel].sum())
+            rows.append({"bin": [b / num_bins, (b + 1) / num_bins], "rounds": int(sel.sum()),
+                         "predicted": float(pred[sel].mean()), "observed": float(out[sel].mean()),
+                         "ece_share": abs(gap) / pred.size})
+    return rows
+
+
+def print_bins(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"      [{r['bin'][0]:.1f}, {r['bin'][1]:.1f}) {r['rounds']:6d} rounds  predicted {r['predicted']:.3f}  "
+              f"observed {r['observed']:.3f}  ECE share {100 * r['ece_share']:.2f}%")
 
 
 def main():
@@ -108,6 +137,7 @@ def main():
     ap.add_argument("--variants", default="isotonic,sts")
     ap.add_argument("--unseen-prompts", action="store_true",
                     help="score each round with a fit made without its own prompt's rounds (replay_unseen)")
+    ap.add_argument("--bins", type=int, default=None, help="position (0-based) whose reliability table to print")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {}
@@ -118,22 +148,28 @@ def main():
         out[path] = {}
         for i, v in enumerate(args.variants.split(",")):
             if args.unseen_prompts:
-                out[path][v] = replay_unseen(rounds, v)
+                r = replay_unseen(rounds, v)
+                scored = r.pop("scored")
+                out[path][v] = r
                 if i == 0:
                     print(f"  {'rounds (unseen prompts)':28s} {out[path][v]['rounds_by_position']}")
                 print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
                       f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
-                continue
-            r = replay(rounds, v)
-            name = parse_variant(v)[0]
-            out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],
-                            "brier": r["brier_by_method"][name], "rounds_by_position": r["rounds_by_position"]}
-            if i == 0:
-                print(f"  {'rounds':28s} {r['rounds_by_position']}")
-                print(f"  {'raw':28s} ECE % {pct(r['ece_before_by_position'])} | Brier sum "
-                      f"{sum(r['brier_by_method']['raw']):.4f}")
-            print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
-                  f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
+            else:
+                r, scored = replay(rounds, v)
+                name = parse_variant(v)[0]
+                out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],
+                                "brier": r["brier_by_method"][name], "rounds_by_position": r["rounds_by_position"]}
+                if i == 0:
+                    print(f"  {'rounds':28s} {r['rounds_by_position']}")
+                    print(f"  {'raw':28s} ECE % {pct(r['ece_before_by_position'])} | Brier sum "
+                          f"{sum(r['brier_by_method']['raw']):.4f}")
+                print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
+                      f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
+            if args.bins is not None:
+                out[path][v]["bins"] = reliability(*scored, args.bins)
+                print(f"    position {args.bins}:")
+                print_bins(out[path][v]["bins"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
