@@ -2,7 +2,8 @@
 
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
         [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--no-prefix-cache] [--out FILE]
-        [--plot-dir DIR] [--calib-requests 512] [--calibration isotonic] [--calib-compare sts,platt,platt_log_loss]
+        [--plot-dir DIR] [--calib-requests 512] [--calib-stream cycle|cut] [--calibration isotonic]
+        [--calib-compare sts,platt,platt_log_loss]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
 policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
@@ -16,7 +17,12 @@ policy is started once and kept warm: plain decoding, `schedule: static` at each
    held-out prompts one at a time, the schedule run by --calibration; ECE by position before (raw
    confidences) and after for it and for each of --calib-compare, all fitted on the same windows and
    scored on the same rounds (each round with the fits in force when it ran, made on earlier rounds),
-   beside the noise floor and the Brier score.
+   beside the noise floor and the Brier score. --calib-stream cut: no request repeats an earlier one's text
+   (but for the one prompt the held-out file holds twice): the c-th pass over the prompts cuts each to
+   1 - 0.18 c of its length, at a space, so a window of several thousand rounds never holds the scored
+   request's own identical greedy rounds (with `cycle`, the default, it does after the first 131 requests).
+   --calib-draft-all: part 3 drafts k every step (at batch 1 on this CPU drafting is a marginal gain, and the
+   planner can stop drafting mid-run, leaving a few thousand rounds to score).
 
 One process, executor local, --threads torch threads per engine.
 """
@@ -83,6 +89,18 @@ def poisson(cfg: dict, rate: float, n: int, max_tokens: int, warm_prompts) -> di
     return {"tok_s": s["output_tokens_per_s"], "tpot_p50_ms": 1e3 * s["tpot_p50_s"]}
 
 
+def calibration_prompt(prompts: list[str], i: int, stream: str) -> str:
+    """Part 3's i-th request: the held-out prompts in turn; with stream "cut", the c-th pass cuts each to
+    1 - 0.18 c of its length (at least a quarter, and shorter than the pass before), at the last space before."""
+    text, c = prompts[i % len(prompts)], i // len(prompts)
+    if stream == "cycle" or c == 0:
+        return text
+    prev = calibration_prompt(prompts, i - len(prompts), stream)
+    cut = min(len(prev) - 1, max(len(text) // 4, int(len(text) * (1 - 0.18 * c))))
+    space = max(text.rfind(" ", 0, cut), text.rfind("\n", 0, cut))
+    return text[: space if space > len(text) // 8 else cut]  # shorter than the pass before: never a repeat
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafters", default="draft_model,dspark")
@@ -98,6 +116,12 @@ def main():
                     help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
                          "DSpark request recomputes up to its context window: this isolates speculation)")
     ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
+    ap.add_argument("--calib-stream", choices=("cycle", "cut"), default="cycle",
+                    help="part 3's prompts: the held-out ones cycled, or cut shorter on each pass (no repeats)")
+    ap.add_argument("--calib-draft-all", action="store_true",
+                    help="part 3 drafts k positions every step (the verify budget still picks what to verify by the "
+                         "calibrated confidences): the calibration measured on as many rounds whatever the planner's "
+                         "cost model decides at batch 1 on this machine, where drafting is a marginal gain")
     ap.add_argument("--calibration", default=None, help="the calibration in force in part 3 (default: the planner's)")
     ap.add_argument("--calib-compare", default="sts,platt,platt_log_loss",
                     help="calibrations scored beside it on the same live rounds")
@@ -155,14 +179,18 @@ def main():
         llm = policies[f"{d} confidence"]
         p = llm.engine.planner
         p.reset_calibration(args.calibration, tuple(m for m in args.calib_compare.split(",") if m))
+        draft_len = p.draft_len
+        if args.calib_draft_all:  # every request drafts up to k: as many rounds whatever the cost model decides
+            p.exploring = p._learning = False
+            p.draft_len = lambda num_rows: p.k
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
         steps, observe, prompt = [], p.observe, [0]
         if args.rounds_out:  # every step's outcomes, as the planner saw them, and the prompt they came from
             p.observe = lambda raw, ver, acc: (steps.append((raw, ver, acc, prompt[0])), observe(raw, ver, acc))
         for i in range(args.calib_requests):
             prompt[0] = i % len(held_out)
-            llm.generate([held_out[prompt[0]]], params)
-        p.observe = observe
+            llm.generate([calibration_prompt(held_out, i, args.calib_stream)], params)
+        p.observe, p.draft_len = observe, draft_len
         if args.rounds_out:
             import numpy as np
 

@@ -20,6 +20,7 @@ the ECE's 10 equal-width bins: rounds, mean predicted survival, observed surviva
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -77,8 +78,8 @@ def replay_unseen(rounds: dict, variant: str) -> dict:
     name, kw, planner_kw = parse_variant(variant)
     fit, apply = confidence.CALIBRATIONS[name]
     fit = partial(fit, **kw)
-    window, every, min_rounds = (planner_kw.get(k, d) for k, d in (("window", 2000), ("refit_every", 500),
-                                                                     ("min_rounds", 50)))
+    defaults = inspect.signature(VerifyPlanner).parameters  # the engine's window and refit schedule
+    window, every, min_rounds = (planner_kw.get(k, defaults[k].default) for k in ("window", "refit_every", "min_rounds"))
     conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
     prompt = np.repeat(rounds["step_prompt"], rounds["step_rows"])
     held, snapshot, cache, since, scored = [], None, {}, 0, []
