@@ -425,7 +425,7 @@ class LLMEngine:
                     execute_time - max(o.draft_s for o in outs),
                     step.early_host_s if step.early_host_s is not None
                     else stats["step_time_s"] - execute_time if self.async_scheduling else None,
-                    num_rows=stats["num_seqs"], drafting=stats["num_verified"] > 0)
+                    num_rows=stats["num_seqs"], drafting=stats["num_drafted"] > 0)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
         self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)

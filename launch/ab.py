@@ -40,12 +40,15 @@ def worktree(commit: str, base: Path) -> Path:
 
 
 def dig(data: dict, key: str):
-    """The value at a dotted path, or None where the tree's output has no such key (an arm an older
-    tree lacks)."""
+    """The value at a dotted path (a number picks a list's item), or None where the tree's output has no
+    such key (an arm an older tree lacks)."""
     for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
+        if isinstance(data, list) and part.isdigit() and int(part) < len(data):  # a list's item by index
+            data = data[int(part)]
+        elif isinstance(data, dict) and part in data:
+            data = data[part]
+        else:
             return None
-        data = data[part]
     return data
 
 

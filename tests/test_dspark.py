@@ -218,7 +218,10 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, check
 
         run = ray.get(llm.router.run_workload.remote([WorkloadRequest(0.0, prompts[0], GREEDY)]))
         comm = run["cost"]["comm_bytes"]
-        assert comm["all_reduce"] > 0 and comm["hidden_state_export"] > 0
+        # (one request: the confidence schedule may judge drafting not worth it at batch 1, and export nothing)
+        drafted_run = sum(s["num_drafted"] for s in run["steps"])
+        assert comm["all_reduce"] > 0 and (comm["hidden_state_export"] > 0 or drafted_run == 0)
+        assert drafted_run > 0 or schedule == "confidence"
         assert run["cost"]["tokens"]["output"] == sum(r["num_output_tokens"] for r in run["requests"])
     finally:
         llm.shutdown()

@@ -86,7 +86,10 @@ class StepCost:
     made the steps that ran slower than profiled (longer contexts than the profile's, a loaded
     machine) applies to the larger steps drafting would make too. (Left at 1 there, drafting looked
     cheaper the longer the engine ran: at 48 rows the decode steps' correction reached 1.87 while
-    the 240-token step of drafting for every row stayed at its profile.)"""
+    the 240-token step of drafting for every row stayed at its profile.) Not to smaller ones in full:
+    below the smallest size observed the correction falls, in log scale, to 1 at the grid's first point
+    (a single token: its step reads the weights, whatever the contexts; 8 rows' 1.7x, their contexts'
+    attention, made a 1-row step 2.5 ms against a real 1.5). A point's first observation is its own."""
 
     def __init__(self, tokens: list[int], seconds: list[float], alpha: float = 0.05):
         order = np.argsort(tokens)
@@ -109,9 +112,15 @@ class StepCost:
 
     def __call__(self, B) -> np.ndarray:
         seen = self.seen
-        if seen.all() or not seen.any():
-            return self._profile(B) * np.interp(np.asarray(B, dtype=np.float64), self.x, self.correction)
-        return self._profile(B) * np.interp(np.asarray(B, dtype=np.float64), self.x[seen], self.correction[seen])
+        if not seen.any():
+            return self._profile(B)
+        B = np.asarray(B, dtype=np.float64)
+        xs, cs = self.x[seen], self.correction[seen]
+        correction = np.interp(B, xs, cs)
+        if xs[0] > self.x[0]:  # below the smallest size observed: toward 1 at the first grid point (see above)
+            share = np.log(np.maximum(B, self.x[0]) / self.x[0]) / np.log(xs[0] / self.x[0])
+            correction = np.where(B < xs[0], 1.0 + (cs[0] - 1.0) * share, correction)
+        return self._profile(B) * correction
 
     def at_load_of(self, B, ref: int) -> np.ndarray:
         """T(B) with the correction at `ref` tokens (a plain step's) for every size: the profile's shape at
@@ -133,11 +142,11 @@ class StepCost:
         else:
             x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
             profiled = y0 + (y1 - y0) * (max(num_tokens, x0) - x0) / max(x1 - x0, 1.0)
-        ratio = seconds / max(profiled, 1e-9)
-        if not self.seen[i]:  # (its first observation starts from the neighbours' correction it stood in with)
-            self.correction[i] = float(self(xs[i]) / ys[i]) if self.seen.any() else 1.0
-            self.seen[i] = True
-        self.correction[i] += self.alpha * (min(ratio, 10.0) - self.correction[i])
+        ratio = min(seconds / max(profiled, 1e-9), 10.0)
+        if not self.seen[i]:  # its first observation is its own (the neighbours' correction it stood in with
+            # was measured at other row counts: 8 rows' 1.7x, their contexts' attention, made 1 row's 2.5 ms)
+            self.correction[i], self.seen[i] = ratio, True
+        self.correction[i] += self.alpha * (ratio - self.correction[i])
 
     def table(self) -> dict:
         return {"tokens": self.x.astype(int).tolist(), "profiled_s": self.y.tolist(),
@@ -225,6 +234,11 @@ class VerifyPlanner:
         # drafting step also pays what they leave out (verification, bookkeeping), and a loss at load is
         # what the schedule must not make (measured: a predicted +2% at batch 8 was a real -23% on this CPU)
         self.draft_margin = 0.1
+        # plain steps are learned from the plain_warm-th of a run on: after drafting steps the caches hold the
+        # drafter's weights (at batch 1 on this CPU a run of plain steps went 2.4, 2.3, 2.0, ... 1.7 ms, against
+        # 1.5-1.7 in an engine that never drafts)
+        self.plain_warm = 8
+        self._plain_run = 0
         # with async scheduling a plain step is scheduled while the one before runs, so the host's work per
         # step (scheduling, building, processing: on Ray the Router's) is hidden; a drafting step cannot be
         # (its drafts come from the step before): it pays that time. Measured on the steps that waited for it
@@ -399,9 +413,15 @@ class VerifyPlanner:
 
     # ---- observations ----------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int = 0, drafting: bool = False) -> None:
-        """A live step's time: step_cost learns it; a drafting step (num_rows rows) also the ratio of its
-        time to step_cost's prediction, and if that moves the drafting cost by more than 5% the learned
-        choices are made again now, not after their memo_steps."""
+        """A live step's time. step_cost learns a plain decode step's (num_rows rows of one token; the
+        start-up profile's shape); a drafting step's goes to the ratio of its time to step_cost's
+        prediction, and if that moves the drafting cost by more than 5% the learned choices are made
+        again now, not after their memo_steps. (Learned by step_cost too, the drafting steps' excess
+        - the export, 7 rows of logits, verification: 1.7x their profile at batch 1 in process - reached
+        the plain step's estimate through its neighbours' correction, as did prefill chunks', and a plain
+        step read 2.3-2.5 ms against a real 1.5: DSpark drafted at batch 1 at 0.86x of plain decoding.)
+        What drafting is compared with is a run of plain steps: the first plain_warm of a run are not
+        learned either."""
         self._steps_seen += 1
         if drafting and num_rows > 0:
             ratio = min(max(seconds / max(float(self.step_cost(num_tokens)), 1e-9), 0.5), 3.0)
@@ -410,7 +430,9 @@ class VerifyPlanner:
             q.append((self._steps_seen, ratio))
             if abs(self._drafting_ratio(num_rows) - before) > 0.05 * before:
                 self._memo.clear()
-        self.step_cost.observe(num_tokens, seconds)
+        self._plain_run = 0 if drafting else self._plain_run + 1
+        if self._plain_run >= self.plain_warm and (num_rows == 0 or num_tokens <= num_rows):
+            self.step_cost.observe(num_tokens, seconds)
 
     def _drafting_ratio(self, num_rows: int) -> float:
         """drafting_ratio at this many rows: at the nearest power of 2 with ratios of the last ratio_horizon
@@ -429,12 +451,20 @@ class VerifyPlanner:
         self.hidden_host_s += alpha * (max(seconds, 0.0) - self.hidden_host_s)
 
     def drafted(self, num_rows: int, k: int, seconds: float) -> None:
-        if self.exploring and not self._learning:  # its cost, against the time until the next one
+        forwards = draft_forwards(self.method, k)
+        exploring = self.exploring and not self._learning
+        if exploring:  # its cost, against the time until the next one
             self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
+        # an exploring call catches up on every token since drafting stopped: an upper bound of what drafting
+        # costs, taken only where it is under half what is believed (a start-up profile read on a busy
+        # machine). Taken always, the exploration's calls, one in thousands of steps, became the drafter's
+        # median cost after 9 of them, and drafting looked dearer the longer it had stopped
+        believed = forwards * self.draft_cost.per_forward_s(num_rows)
+        if not exploring or not believed or seconds < 0.5 * believed:
+            self._prior_memo.clear()  # the drafter's cost measured again: the prior gate decides afresh
+            self.draft_cost.observe(num_rows, forwards, seconds)
         self._since_draft = 0
         self._last_draft_t = self.clock()
-        self._prior_memo.clear()  # the drafter's cost measured again: the prior gate decides afresh
-        self.draft_cost.observe(num_rows, draft_forwards(self.method, k), seconds)
 
     def observe(self, raw: np.ndarray, verified, accepted) -> None:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
