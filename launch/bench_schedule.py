@@ -22,7 +22,9 @@ policy is started once and kept warm: plain decoding, `schedule: static` at each
    1 - 0.18 c of its length, at a space, so a window of several thousand rounds never holds the scored
    request's own identical greedy rounds (with `cycle`, the default, it does after the first 131 requests).
    --calib-draft-all: part 3 drafts k every step (at batch 1 on this CPU drafting is a marginal gain, and the
-   planner can stop drafting mid-run, leaving a few thousand rounds to score).
+   planner can stop drafting mid-run, leaving a few thousand rounds to score); `--calib-draft-all verify` also
+   verifies every drafted position (the budget verifies a late position only where its calibrated survival pays
+   for it: the ECE then reads the rounds it chose, fewer at the late positions).
 
 One process, executor local, --threads torch threads per engine.
 """
@@ -38,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
@@ -118,10 +121,11 @@ def main():
     ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
     ap.add_argument("--calib-stream", choices=("cycle", "cut"), default="cycle",
                     help="part 3's prompts: the held-out ones cycled, or cut shorter on each pass (no repeats)")
-    ap.add_argument("--calib-draft-all", action="store_true",
-                    help="part 3 drafts k positions every step (the verify budget still picks what to verify by the "
-                         "calibrated confidences): the calibration measured on as many rounds whatever the planner's "
-                         "cost model decides at batch 1 on this machine, where drafting is a marginal gain")
+    ap.add_argument("--calib-draft-all", nargs="?", const="budget", choices=("budget", "verify"), default=None,
+                    help="part 3 drafts k positions every step: the calibration measured on as many rounds whatever the "
+                         "planner's cost model decides at batch 1 on this machine, where drafting is a marginal gain; "
+                         "the verify budget picks what to verify by the calibrated confidences (budget), or every "
+                         "drafted position is verified (verify: the rounds are not censored by the budget)")
     ap.add_argument("--calibration", default=None, help="the calibration in force in part 3 (default: the planner's)")
     ap.add_argument("--calib-compare", default="sts,platt,platt_log_loss",
                     help="calibrations scored beside it on the same live rounds")
@@ -179,10 +183,12 @@ def main():
         llm = policies[f"{d} confidence"]
         p = llm.engine.planner
         p.reset_calibration(args.calibration, tuple(m for m in args.calib_compare.split(",") if m))
-        draft_len = p.draft_len
+        draft_len, verify_lengths = p.draft_len, p.verify_lengths
         if args.calib_draft_all:  # every request drafts up to k: as many rounds whatever the cost model decides
             p.exploring = p._learning = False
             p.draft_len = lambda num_rows: p.k
+            if args.calib_draft_all == "verify":  # and every drafted position is verified: rounds not censored
+                p.verify_lengths = lambda raw, *_: (~np.isnan(raw)).sum(1)
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
         steps, observe, prompt = [], p.observe, [0]
         if args.rounds_out:  # every step's outcomes, as the planner saw them, and the prompt they came from
@@ -190,10 +196,8 @@ def main():
         for i in range(args.calib_requests):
             prompt[0] = i % len(held_out)
             llm.generate([calibration_prompt(held_out, i, args.calib_stream)], params)
-        p.observe, p.draft_len = observe, draft_len
+        p.observe, p.draft_len, p.verify_lengths = observe, draft_len, verify_lengths
         if args.rounds_out:
-            import numpy as np
-
             np.savez(f"{args.rounds_out}.{d}.npz", conf=np.concatenate([x[0] for x in steps]),
                      verified=np.concatenate([np.asarray(x[1]) for x in steps]),
                      accepted=np.concatenate([np.asarray(x[2]) for x in steps]),
