@@ -46,8 +46,9 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     return name, kws[0], kws[1]
 
 
-def replay(rounds: dict, variant: str) -> dict:
-    """The planner's calibration report after feeding it the recorded steps, with `variant` in force."""
+def replay(rounds: dict, variant: str) -> tuple[dict, tuple]:
+    """The planner's calibration report after feeding it the recorded steps, with `variant` in force, and
+    the scored rounds (survival predictions [R, K] by the variant, verified [R], accepted [R])."""
     name, kw, planner_kw = parse_variant(variant)
     fit, apply = confidence.CALIBRATIONS[name]
     patched = dict(confidence.CALIBRATIONS)
