@@ -11,7 +11,8 @@ then the first load meets a fresh planner, as a new engine's first requests do).
 order: `B` is one `generate` of B held-out prompts at once, `BxN` N of them one after the other (the next B
 prompts each time), greedy, --max-tokens each. Per load: output tok/s (and / plain, measured right after on the
 same prompts), the steps that verified drafts out of all steps, positions drafted, the planner's drafting-step
-ratio (`VerifyPlanner.drafting_ratio`, by rows) and its mean survival by position (None: still learning).
+ratio (`VerifyPlanner.drafting_ratio`, by rows) and its mean survival by position (None: still learning), and
+the plain decode step's cost it believes at the load beside the plain engine's measured one (median execute time).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -81,15 +83,20 @@ def main():
                "drafting_steps": sum(r["num_verified"] > 0 for r in records),
                "drafted": sum(r["num_drafted"] for r in records),
                "drafting_step_ratio": planner.summary()["drafting_step_ratio"],
-               "mean_survival": None if planner.mean_survival is None else planner.mean_survival.round(3).tolist()}
+               "mean_survival": None if planner.mean_survival is None else planner.mean_survival.round(3).tolist(),
+               # what the planner believes a plain decode step at this load costs (its theta_0)
+               "plain_step_ms_believed": 1e3 * float(planner.step_cost(b))}
         if "plain" in llms:
-            row["plain_tok_s"] = run_load(llms["plain"], groups, params)[0]
+            row["plain_tok_s"], plain_records = run_load(llms["plain"], groups, params)
             row["ratio"] = tok_s / row["plain_tok_s"]
+            decode = [r["execute_s"] for r in plain_records if r["num_tokens"] == r["num_seqs"] == b]
+            row["plain_step_ms"] = 1e3 * statistics.median(decode) if decode else None  # what it costs there
         out.append(row)
         ratio = f", {row['ratio']:.3f}x plain" if "ratio" in row else ""
         print(f"load {load}: {tok_s:.0f} tok/s{ratio}; drafting steps {row['drafting_steps']} of {row['steps']}, "
               f"{row['drafted']} positions; drafting-step ratio {row['drafting_step_ratio']}; survival "
-              f"{row['mean_survival']}", flush=True)
+              f"{row['mean_survival']}; a plain step believed {row['plain_step_ms_believed']:.2f} ms"
+              + (f", measured {row['plain_step_ms']:.2f} ms" if row.get("plain_step_ms") else ""), flush=True)
     for llm in llms.values():
         llm.shutdown()
     if args.json:

@@ -4,6 +4,7 @@ sequence, at 1 and 8 sequences), and the LLM's TPOT at batch 1
 with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
+    python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype (this CPU's GEMM)
     python launch/ab.py --script-here --trees 10172c6,. --keys b1.forward_ms,b1.ops_per_layer \
         -- launch/bench_step.py --json {json}
 
@@ -114,14 +115,34 @@ def llm_tpot(path: str, compile_mode, repeats: int = 5) -> dict:
         llm.shutdown()
 
 
+def gemm(rows=(1, 2, 4, 6, 8, 16, 64), k: int = 256, n: int = 768) -> dict:
+    """us for one [rows, k] x [k, n] linear, fp32 and bf16, one thread: how the cost grows with the rows
+    (a verify step's extra tokens, a batch's) on this CPU."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(n, k, dtype=dtype)
+        for m in rows:
+            x = torch.randn(m, k, dtype=dtype)
+            out[f"{str(dtype).removeprefix('torch.')}_{m}"] = 1e3 * timed(lambda: torch.nn.functional.linear(x, w), 2000)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--gemm", action="store_true", help="only one linear's time by rows and dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.gemm:
+        res = gemm()
+        print("a 256 -> 768 linear, us: " + ", ".join(f"{key} {us:.1f}" for key, us in res.items()), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     spec = load_spec(args.model, "float32")
     res = {"layers": spec.num_layers}
     for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7)):

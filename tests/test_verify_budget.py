@@ -472,7 +472,6 @@ def test_learning_drafts_the_length_the_prior_chose():
     assert planner._learning and 0 < k < 6 and k == planner._prior_k(1)
 
 
-
 def test_a_plain_steps_cost_is_learned_on_plain_decode_steps_only():
     """A drafting step's excess over its profile (at batch 1 in process: 1.7x, the export, 7 rows of logits,
     the verification) belongs to drafting, and a prompt chunk is not the profile's shape: learned by
@@ -488,7 +487,7 @@ def test_a_plain_steps_cost_is_learned_on_plain_decode_steps_only():
     for _ in range(100):
         planner.observe_step(7, 1.7 * float(profile._profile(7)), 1, drafting=True)
         planner.observe_step(40, 1.8 * float(profile._profile(40)), 1)  # a prompt chunk
-        planner.observe_step(1, float(profile._profile(1)), 1)  # a plain decode step, as profiled
+        planner.observe_step(1, 1.3 * float(profile._profile(1)), 1)  # a plain decode step amid drafting (cold)
     assert float(planner.step_cost(1)) == pytest.approx(float(profile._profile(1)))
     assert planner.draft_len(1) == 0  # drafting steps at 1.7x their profile do not pay
     for _ in range(planner.plain_warm + 1):  # a run of plain steps is learned from its plain_warm-th on

@@ -419,7 +419,8 @@ class VerifyPlanner:
         again now, not after their memo_steps. (Learned by step_cost too, the drafting steps' excess
         - the export, 7 rows of logits, verification: 1.7x their profile at batch 1 in process - reached
         the plain step's estimate through its neighbours' correction, as did prefill chunks', and a plain
-        step read 2.3-2.5 ms against a real 1.5: DSpark drafted at batch 1 at 0.86x of plain decoding.)
+        step read 2.1-2.5 ms against a real 1.5-1.7: DSpark drafted at batch 1 at 0.73-0.77x of plain
+        decoding, BENCHMARKS.md session 17.)
         What drafting is compared with is a run of plain steps: the first plain_warm of a run are not
         learned either."""
         self._steps_seen += 1
