@@ -23,6 +23,10 @@ afresh, in a rotated order, warms it up and runs every load on it, so the ratios
    the Router itself (`Router.run_workload`: `dspark run`'s path on Ray); output tokens/s over the run
    and TPOT p50.
 
+Ratios to plain: the best-of figures above, and per repeat (a policy's run over plain's run in the same repeat,
+each a fresh engine): their median and geometric mean, which --repeats 8 or more makes a fair estimate where an
+instance's own speed spreads wider than the effect (fresh engines of the same policy read 0.87-1.10 of each other).
+
 Per policy and load, from the Router's stats over the measured runs (the difference of its counters):
 tau (tokens per verify round), verify rounds, draft positions drafted and verified, steps, and the
 Router's time in drafter calls per step. From a run's step records (`Router.run_workload`'s report: the
@@ -38,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import time
 
@@ -131,11 +137,27 @@ def figures(before: dict, after: dict, steps: list) -> dict:
     return out
 
 
-def line(label: str, row: dict) -> str:
+def paired_ratios(runs: dict) -> dict:
+    """policy -> [tok/s per repeat] -> policy -> {per-repeat ratios to plain, their median and geometric mean}."""
+    out = {}
+    for n, xs in runs.items():
+        if n == "plain":
+            continue
+        r = [x / p for x, p in zip(xs, runs["plain"]) if p]
+        out[n] = {"ratios": [round(v, 4) for v in r], "median": statistics.median(r) if r else float("nan"),
+                  "geomean": math.exp(statistics.fmean(math.log(v) for v in r)) if r else float("nan")}
+    return out
+
+
+def line(label: str, row: dict, paired: dict | None = None) -> str:
     plain = row["plain"]["tok_s"]
     rest = " | ".join(f"{n} {v['tok_s'] / plain:.2f}x (tau {v['tau']:.2f}, drafted {v['drafted']}, "
-                      f"verified {v['verified']})" for n, v in row.items() if n != "plain")
-    return f"{label}: plain {plain:.0f} tok/s | {rest}"
+                      f"verified {v['verified']})" for n, v in row.items() if isinstance(v, dict) and n != "plain")
+    out = f"{label}: plain {plain:.0f} tok/s | {rest}"
+    for n, r in (paired or {}).items():
+        out += (f"\n    {n} per repeat: {' '.join(f'{v:.2f}' for v in r['ratios'])}; median {r['median']:.3f}x, "
+                f"geometric mean {r['geomean']:.3f}x")
+    return out
 
 
 def split_table(results: dict) -> list[str]:
@@ -145,7 +167,7 @@ def split_table(results: dict) -> list[str]:
     for kind, loads in results.items():
         for load, row in loads.items():
             for name, v in row.items():
-                if isinstance(v, dict):
+                if isinstance(v, dict) and name != "paired":
                     ms = " ".join(f"{v['ms_per_step'][k]:.2f}" for k in keys)
                     out.append(f"  {kind} {load}, {name}: {v['split_steps']} steps, batch {v['mean_batch']:.1f}, {ms} "
                                f"{v['export_kb_per_step']:.1f}")
@@ -188,6 +210,7 @@ def main():
           f"k={args.k}, {args.max_tokens} tokens per request, threads {args.threads}", flush=True)
     names = list(cfgs)
     best = {b: dict.fromkeys(names, 0.0) for b in batches}
+    runs = {b: {n: [] for n in names} for b in batches}  # tok/s per repeat
     spent = {b: {} for b in batches}  # policy -> the Router's counters over its timed runs, summed
     profile = {b: {} for b in batches}
     pois = {f: {n: [] for n in names} for f in fractions}
@@ -212,7 +235,8 @@ def main():
                     for b in batches:
                         prompts = [held_out[i % len(held_out)] for i in range(b)]
                         c0 = e.counters()
-                        best[b][name] = max(best[b][name], timed(e.llm, prompts, params))
+                        runs[b][name].append(timed(e.llm, prompts, params))
+                        best[b][name] = max(best[b][name], runs[b][name][-1])
                         d = {k: v - c0[k] for k, v in e.counters().items()}
                         spent[b][name] = {k: spent[b].get(name, {}).get(k, 0) + v for k, v in d.items()}
                         if rep == args.repeats - 1:
@@ -221,9 +245,11 @@ def main():
                     e.llm.shutdown()
         for b in batches:
             zero = dict.fromkeys(next(iter(spent[b].values())), 0)
-            row = {n: {"tok_s": best[b][n], **figures(zero, spent[b][n], profile[b][n])} for n in names}
-            results["all_at_once"][b] = row
-            print(line(f"batch {b:3d}", row), flush=True)
+            row = {n: {"tok_s": best[b][n], "tok_s_runs": runs[b][n], **figures(zero, spent[b][n], profile[b][n])}
+                   for n in names}
+            paired = paired_ratios(runs[b])
+            results["all_at_once"][b] = {**row, "paired": paired}
+            print(line(f"batch {b:3d}", row, paired), flush=True)
         sat = best[max(batches)]["plain"] / args.max_tokens if batches else 0.0
         if fractions and not sat:
             raise SystemExit("--poisson needs --batches (saturation is plain's rate at the largest batch)")
@@ -240,9 +266,10 @@ def main():
                     e.llm.shutdown()
         for f in fractions:  # each policy's best run (the shared machine only ever adds time)
             row = {n: max(pois[f][n], key=lambda x: x["tok_s"]) for n in names}
-            results["poisson"][f] = {"rate_req_s": f * sat, **row}
+            paired = paired_ratios({n: [x["tok_s"] for x in pois[f][n]] for n in names})
+            results["poisson"][f] = {"rate_req_s": f * sat, **row, "paired": paired}
             print(line(f"poisson {f}x saturation ({f * sat:.1f} req/s), TPOT p50 plain "
-                       f"{row['plain']['tpot_p50_ms']:.1f} ms", row), flush=True)
+                       f"{row['plain']['tpot_p50_ms']:.1f} ms", row, paired), flush=True)
     finally:
         ray.shutdown()
     meta["loadavg_end"] = loadavg()

@@ -13,7 +13,12 @@ ECE by position, its noise floor and the Brier score, as `bench_schedule.py` par
 verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
 on the same rounds, not on the rounds it would have chosen. --unseen-prompts: each round scored with a fit made
 without its own prompt's rounds (the benchmark cycles 131 prompts: a window longer than a cycle otherwise
-holds the same prompt's identical greedy rounds). --bins J: each variant's reliability table at position J (0-based;
+holds the same prompt's identical greedy rounds). --budget BETA: on rounds recorded with every drafted position
+verified (`bench_schedule.py --calib-draft-all verify`), the verify budget's own censoring simulated with its
+feedback: each step verifies what `choose_verify_lengths` admits on the survival of the fits in force, with a step
+time of 1 + BETA x (tokens - rows) decode steps and a drafter call of --budget-draft decode steps (batch 1 on this
+CPU: BETA ~0.13, draft ~1.1), the recorded outcomes cut to it (--full-every N: every N-th round verified in full
+instead); ECE is then read on the rounds the simulated budget verified, as live. --bins J: each variant's reliability table at position J (0-based;
 the ECE's 10 equal-width bins: rounds, mean predicted survival, observed survival, and the bin's share of the ECE).
 """
 
@@ -25,13 +30,14 @@ import json
 import os
 import sys
 from functools import partial
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
 from dspark_cluster.speculative import confidence  # noqa: E402
-from dspark_cluster.speculative.verify_budget import StepCost, VerifyPlanner  # noqa: E402
+from dspark_cluster.speculative.verify_budget import StepCost, VerifyPlanner, choose_verify_lengths  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
@@ -46,9 +52,12 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     return name, kws[0], kws[1]
 
 
-def replay(rounds: dict, variant: str) -> tuple[dict, tuple]:
+def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[dict, tuple]:
     """The planner's calibration report after feeding it the recorded steps, with `variant` in force, and
-    the scored rounds (survival predictions [R, K] by the variant, verified [R], accepted [R])."""
+    the scored rounds (survival predictions [R, K] by the variant, verified [R], accepted [R]). budget:
+    (beta, drafter cost, full_every) to cut the recorded (uncensored) outcomes to what a verify budget would
+    have verified given the fits in force (see --budget); the report's "verified_share" is then the share of
+    drafted positions verified."""
     name, kw, planner_kw = parse_variant(variant)
     fit, apply = confidence.CALIBRATIONS[name]
     patched = dict(confidence.CALIBRATIONS)
@@ -58,14 +67,24 @@ def replay(rounds: dict, variant: str) -> tuple[dict, tuple]:
         conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
         planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), "dspark", calibration=name, compare=(),
                                 **planner_kw)
-        start = 0
+        start, verified, drafted = 0, 0, 0
         for n in rounds["step_rows"].tolist():
-            planner.observe(conf[start : start + n], ver[start : start + n], acc[start : start + n])
+            c, v, a = conf[start : start + n], ver[start : start + n], acc[start : start + n]
+            if budget is not None:
+                beta, draft_s, full_every = budget
+                lengths = choose_verify_lengths(planner.calibrated_survival(c), n, float(n),
+                                                lambda B: 1.0 + beta * (np.asarray(B) - n), draft_s)
+                if full_every:
+                    lengths = np.where((start + np.arange(n)) % full_every == 0, v, lengths)
+                v = np.minimum(v, lengths)
+                a = np.minimum(a, v)
+            verified, drafted = verified + int(v.sum()), drafted + int((~np.isnan(c)).sum())
+            planner.observe(c, v, a)
             start += n
         live = list(planner.live)
         preds = np.array([x[1][planner.methods.index(name)] for x in live])
         ver, acc = (np.array([x[i] for x in live]) for i in (2, 3))
-        return planner.calibration_report(floors=True), (preds, ver, acc)
+        return {**planner.calibration_report(floors=True), "verified_share": verified / max(drafted, 1)}, (preds, ver, acc)
     finally:
         confidence.CALIBRATIONS.clear()
         confidence.CALIBRATIONS.update(patched)
@@ -140,8 +159,15 @@ def main():
     ap.add_argument("--unseen-prompts", action="store_true",
                     help="score each round with a fit made without its own prompt's rounds (replay_unseen)")
     ap.add_argument("--bins", type=int, default=None, help="position (0-based) whose reliability table to print")
+    ap.add_argument("--budget", type=float, default=None, metavar="BETA",
+                    help="simulate the verify budget's censoring on uncensored rounds (see above)")
+    ap.add_argument("--budget-draft", type=float, default=1.1, help="the drafter call, in decode steps")
+    ap.add_argument("--full-every", type=int, default=0, help="with --budget: every N-th round verified in full")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.budget is not None and args.unseen_prompts:
+        raise SystemExit("--budget replays the planner live: it does not combine with --unseen-prompts")
+    budget = None if args.budget is None else (args.budget, args.budget_draft, args.full_every)
     out = {}
     pct = lambda xs: " ".join(f"{100 * x:4.1f}" for x in xs)  # noqa: E731
     for path in args.rounds:
@@ -158,11 +184,15 @@ def main():
                 print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
                       f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
             else:
-                r, scored = replay(rounds, v)
+                r, scored = replay(rounds, v, budget)
                 name = parse_variant(v)[0]
                 out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],
                                 "brier": r["brier_by_method"][name], "rounds_by_position": r["rounds_by_position"]}
-                if i == 0:
+                if budget is not None:
+                    out[path][v]["verified_share"] = r["verified_share"]
+                    print(f"  {v + ' (budget)':28s} verified share of drafted positions {r['verified_share']:.2f}, "
+                          f"rounds by position {r['rounds_by_position']}")
+                elif i == 0:
                     print(f"  {'rounds':28s} {r['rounds_by_position']}")
                     print(f"  {'raw':28s} ECE % {pct(r['ece_before_by_position'])} | Brier sum "
                           f"{sum(r['brier_by_method']['raw']):.4f}")

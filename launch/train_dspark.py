@@ -88,6 +88,9 @@ def parse_args(argv=None):
     ap.add_argument("--conf-alpha", type=float, default=1.0, help="confidence BCE weight")
     ap.add_argument("--kl-alpha", type=float, default=0.0, help="added KL(p_target || p_draft) weight (default off)")
     ap.add_argument("--gen-per-module", type=int, default=4, help="prompts per training module for the continuations")
+    ap.add_argument("--gen-t1-samples", type=int, default=1,
+                    help="temperature-1 continuations sampled per prompt (different seeds): more distinct T=1 "
+                         "contexts without more prompts")
     ap.add_argument("--gen-t1-share", type=float, default=None,
                     help="share of the continuation samples drawn from the temperature-1 ones (default: uniform "
                          "over all continuations, i.e. ~half)")
@@ -168,36 +171,48 @@ def training_text_ids(tok) -> list[int]:
     return ids
 
 
-def generate_continuations(target: str, tok, n: int, max_tokens: int, seed: int,
-                           per_module: int = 4) -> list[tuple[list[int], int]]:
-    """(prompt + continuation ids, prompt length) for prompts of the training modules, continued by
-    the target itself (half greedy, half temperature 1)."""
+def generate_continuations(target: str, tok, n: int, max_tokens: int, seed: int, per_module: int = 4,
+                           t1_samples: int = 1) -> list[tuple[list[int], int, float]]:
+    """(prompt + continuation ids, prompt length, temperature) for prompts of the training modules, continued
+    by the target itself: half the prompts greedily, the other half at temperature 1, `t1_samples` times each
+    (different seeds)."""
     from train_tiny_models import extract_prompts, load_corpus
 
     from dspark_cluster import LLM, SamplingParams
 
     train, _ = load_corpus()
     prompts = [c["prompt"] for c in extract_prompts(train, n, per_module=per_module)]
+    jobs = [(p, 0.0 if i % 2 == 0 else 1.0) for i, p in enumerate(prompts)]
+    jobs = [j for j in jobs for _ in range(1 if j[1] == 0.0 else t1_samples)]
     llm = LLM(target, config={"scheduler": {"max_num_seqs": 64}})
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 == 0 else 1.0, seed=seed + i,
-                             ignore_eos=True) for i in range(len(prompts))]
-    outs = llm.generate(prompts, params)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=t, seed=seed + i, ignore_eos=True)
+              for i, (_, t) in enumerate(jobs)]
+    outs = llm.generate([p for p, _ in jobs], params)
     llm.shutdown()
-    return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]
+    return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids), t) for o, (_, t) in zip(outs, jobs)]
+
+
+def continuation_pools(generated) -> list[list[tuple[list[int], int]]]:
+    """[greedy, temperature 1] pools of (ids, prompt length). Data caches written before the temperature was
+    stored hold pairs that alternate greedy (even index) and temperature 1 (odd index)."""
+    if generated and len(generated[0]) == 2:
+        return [generated[0::2], generated[1::2]]
+    return [[(ids, plen) for ids, plen, t in generated if t == 0.0],
+            [(ids, plen) for ids, plen, t in generated if t != 0.0]]
 
 
 def batches(text_ids, generated, args, rank: int):
     """Endless (tokens [B, T], loss_mask [B, T]) batches: half generated samples, half text windows."""
     rng = random.Random(args.seed * 1000 + rank)
     T = args.window
-    # generate_continuations alternates greedy (even index) and temperature 1 (odd index)
-    pools = [generated[0::2], generated[1::2]] if generated else None
+    pools = continuation_pools(generated) if generated else None
+    every = [g[:2] for g in generated]
     while True:
         toks, masks = [], []
         for b in range(args.batch):
             if generated and rng.random() < args.gen_fraction:
                 if args.gen_t1_share is None:
-                    ids, plen = generated[rng.randrange(len(generated))]
+                    ids, plen = every[rng.randrange(len(every))]
                 else:
                     pool = pools[1] if rng.random() < args.gen_t1_share else pools[0]
                     ids, plen = pool[rng.randrange(len(pool))]
@@ -405,6 +420,7 @@ def write_card(out: pathlib.Path, args: dict, info: dict) -> None:
                      f" that drafter's own training: {info.get('init_training', 'see its card')}).")
     t1_text = (f"; {args['gen_t1_share']:.0%} of the continuation samples drawn from the temperature-1 ones"
                if args.get("gen_t1_share") is not None else "")
+    t1_samples_text = (f" ({args['gen_t1_samples']} samples each)" if args.get("gen_t1_samples", 1) > 1 else "")
     rows = "\n".join(f"| {h['step']} | {h['min']} | {h['loss']} | {h['ce']} | {h['tv']} | {h.get('bce', '-')} | "
                      f"{' '.join(str(a) for a in h['accept_by_slot'])} | {h['tau_est']} |" for h in pick)
     out.joinpath("README.md").write_text(f"""# tiny-dspark
@@ -426,8 +442,8 @@ low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
 Training: {info['steps']} steps in {info['minutes']} min (wall time, a 2-core CPU machine), batch
 {args['batch']} windows of {args['window']} tokens per rank, {args['anchors']} blocks per window, AdamW
 (lr {args['lr']}, warmup 4%, cosine), gradient clipping 1.0. Data: continuations tiny-moe generated
-({info.get('continuations', args['gen_prompts'])} prompts from the training modules, {args['gen_tokens']} tokens, half greedy, half
-temperature 1{t1_text}) and windows of the training text; never the held-out modules. Loss: {loss_text}.
+({info.get('continuations', args['gen_prompts'])} continuations of {args['gen_prompts']} prompts from the training modules, {args['gen_tokens']} tokens,
+half the prompts greedy, half at temperature 1{t1_samples_text}{t1_text}) and windows of the training text; never the held-out modules. Loss: {loss_text}.
 
 Reproduce: `python launch/train_dspark.py {' '.join(sys.argv[1:])}`{' (defaults)' if len(sys.argv) < 2 else ''}.
 
@@ -457,7 +473,7 @@ def main(argv=None):
         print(f"training text: {len(text_ids):,} tokens ({time.time() - t0:.0f} s)", flush=True)
         t1 = time.time()
         generated = (generate_continuations(args.target, tok, args.gen_prompts, args.gen_tokens, args.seed,
-                                            args.gen_per_module) if args.gen_prompts else [])
+                                            args.gen_per_module, args.gen_t1_samples) if args.gen_prompts else [])
         print(f"target continuations: {len(generated)} x {args.gen_tokens} tokens ({time.time() - t1:.0f} s)", flush=True)
         data = (text_ids, generated)
         if args.data_cache:
