@@ -9,8 +9,9 @@
         --out /tmp/finetuned                                                      # fine-tune, flat slot weights
 
 Data (never the held-out modules, whose prompts measure the drafter): (a) continuations the target
-generates (our own engine, half greedy, half temperature 1) of prompts extracted from the training
-modules of the standard library, loss on the continuation; (b) random windows of the training text.
+generates (our own engine, half the prompts greedy, half at temperature 1, each of those sampled
+`--gen-t1-samples` times) of prompts extracted from the training modules of the standard library, loss on
+the continuation; (b) random windows of the training text.
 The teacher runs online every step: the target's chosen layers' outputs are the drafter's context,
 its softmax the law the drafter learns (the drafter never sees a label the target did not give).
 
