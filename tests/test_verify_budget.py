@@ -475,8 +475,8 @@ def test_learning_drafts_the_length_the_prior_chose():
 def test_a_plain_steps_cost_is_learned_on_plain_decode_steps_only():
     """A drafting step's excess over its profile (at batch 1 in process: 1.7x, the export, 7 rows of logits,
     the verification) belongs to drafting, and a prompt chunk is not the profile's shape: learned by
-    step_cost, both reached the plain step's estimate through its neighbours' correction (2.3-2.5 ms against
-    a real 1.5), and DSpark drafted at batch 1 at 0.86x of plain decoding. And an exploring drafter call,
+    step_cost, both reached the plain step's estimate through its neighbours' correction (2.1-2.5 ms against
+    a real 1.5-1.7), and DSpark drafted at batch 1 at 0.73-0.77x of plain decoding (BENCHMARKS.md, session 17). And an exploring drafter call,
     which catches up on every token since drafting stopped, is not what drafting costs."""
     profile = StepCost([1, 8, 16, 64], [0.0015, 0.0020, 0.0025, 0.0050])
     planner = VerifyPlanner(6, profile, "dspark")

@@ -1,0 +1,70 @@
+"""What an idle DSpark engine costs in process (issue 28): the confidence schedule drafting nothing against
+plain decoding, two warm engines in one process, alternating.
+
+    python launch/bench_idle_cost.py [--batches 8,32,48] [--pairs 12] [--placement target|group]
+        [--context-window N]
+
+Both engines: bundled tiny-moe, executor local, one thread, prefix caching off; the DSpark one with
+`schedule: confidence` up to k = 6. Each warms up on 8 held-out prompts, then per batch --pairs pairs of one
+`generate` of the first B held-out prompts (64 greedy tokens), the order within a pair alternating. Prints
+the median of the per-pair tok/s ratios and the positions drafted (a ratio is an idle cost only where that
+stays 0: at these loads the planner drafts nothing on this CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dspark_cluster import LLM, SamplingParams  # noqa: E402
+from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="8,32,48")
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--placement", choices=("target", "group"), default=None)
+    ap.add_argument("--context-window", type=int, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    prompts = read_prompts(DEFAULT_PROMPTS)
+    base = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32"},
+            "parallel": {"executor": "local", "threads_per_worker": 1},
+            "scheduler": {"max_num_seqs": 64, "prefix_caching": False}}
+    spec = {"method": "dspark", "draft_model": str(ASSETS_DIR / "tiny-dspark"), "num_tokens": 6,
+            "schedule": "confidence"}
+    if args.placement:
+        spec["placement"] = args.placement
+    if args.context_window:
+        spec["context_window"] = args.context_window
+    llms = {"dspark": LLM(config={**base, "speculative": spec}), "plain": LLM(config=base)}
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for llm in llms.values():
+        llm.generate(prompts[:8], params)
+    try:
+        for b in [int(x) for x in args.batches.split(",") if x]:
+            tok_s = {n: [] for n in llms}
+            for i in range(args.pairs):
+                for n in (["dspark", "plain"] if i % 2 == 0 else ["plain", "dspark"]):
+                    t0 = time.perf_counter()
+                    llms[n].generate(prompts[:b], params)
+                    tok_s[n].append(b * params.max_tokens / (time.perf_counter() - t0))
+            r = [a / p for a, p in zip(tok_s["dspark"], tok_s["plain"])]
+            print(f"batch {b}: dspark / plain median {statistics.median(r):.3f} ({' '.join(f'{x:.2f}' for x in r)}); "
+                  f"positions drafted so far {llms['dspark'].engine.speculation.num_drafted}", flush=True)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
