@@ -17,15 +17,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
-from dspark_cluster.config import ASSETS_DIR  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
+from launch.bench_schedule import config, timed  # noqa: E402
 
 
 def main():
@@ -37,16 +36,14 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     prompts = read_prompts(DEFAULT_PROMPTS)
-    base = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32"},
-            "parallel": {"executor": "local", "threads_per_worker": 1},
-            "scheduler": {"max_num_seqs": 64, "prefix_caching": False}}
-    spec = {"method": "dspark", "draft_model": str(ASSETS_DIR / "tiny-dspark"), "num_tokens": 6,
-            "schedule": "confidence"}
+    # bench_schedule's engine configs: one thread, prefix caching off (the pairs repeat their prompts)
+    opts = argparse.Namespace(threads=1, no_prefix_cache=True)
+    base, spec = config(opts), config(opts, "dspark", 6, "confidence")
     if args.placement:
-        spec["placement"] = args.placement
+        spec["speculative"]["placement"] = args.placement
     if args.context_window:
-        spec["context_window"] = args.context_window
-    llms = {"dspark": LLM(config={**base, "speculative": spec}), "plain": LLM(config=base)}
+        spec["speculative"]["context_window"] = args.context_window
+    llms = {"dspark": LLM(config=spec), "plain": LLM(config=base)}
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for llm in llms.values():
         llm.generate(prompts[:8], params)
@@ -55,9 +52,7 @@ def main():
             tok_s = {n: [] for n in llms}
             for i in range(args.pairs):
                 for n in (["dspark", "plain"] if i % 2 == 0 else ["plain", "dspark"]):
-                    t0 = time.perf_counter()
-                    llms[n].generate(prompts[:b], params)
-                    tok_s[n].append(b * params.max_tokens / (time.perf_counter() - t0))
+                    tok_s[n].append(timed(llms[n], prompts[:b], params))
             r = [a / p for a, p in zip(tok_s["dspark"], tok_s["plain"])]
             print(f"batch {b}: dspark / plain median {statistics.median(r):.3f} ({' '.join(f'{x:.2f}' for x in r)}); "
                   f"positions drafted so far {llms['dspark'].engine.speculation.num_drafted}", flush=True)
