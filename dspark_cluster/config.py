@@ -167,6 +167,10 @@ class SpeculativeConfig(_Section):
     # the draft slots whose calibrated survival pays for their cost at the current load (num_tokens is
     # then the most drafted); static: always draft and verify num_tokens
     schedule: Literal["confidence", "static"] = "confidence"
+    # the confidence schedule, before any verify outcome: the acceptance a position (given the one before) it
+    # assumes to decide whether drafting could pay at the current load; where it could not, it learns only by
+    # paced exploration. A good drafter reads 0.7-0.8 at its first positions; null: learn at any load
+    prior_acceptance: Optional[float] = Field(0.8, gt=0, lt=1)
     # DSpark: the context rows before its anchor a block reads (the latest; positions stay absolute).
     # While the schedule drafts nothing for a sequence, the target's workers keep its last
     # context_window rows and send them once when drafting resumes. auto: the drafter's config.json

@@ -57,7 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(ROOT / "dspark_cluster/assets/tiny-dspark"))
     ap.add_argument("--layers", default="1,2,3", help="target decoder layers whose outputs are the context")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="drafter layers (default 2, or --init-from's; more than --init-from's appends layers that start "
+                         "as the identity: their output projections are zero)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=None, help="slots per block (default 6, or --init-from's)")
@@ -104,7 +106,12 @@ def parse_args(argv=None):
 
         ic = DSparkConfig.load(pathlib.Path(args.init_from) / "config.json")
         args.layers = ",".join(str(i) for i in ic.target_layer_ids)
-        args.hidden, args.num_layers, args.heads = ic.hidden_size, ic.num_layers, ic.num_heads
+        args.hidden, args.heads = ic.hidden_size, ic.num_heads
+        if args.num_layers is None:
+            args.num_layers = ic.num_layers
+        elif args.num_layers < ic.num_layers:
+            raise SystemExit(f"--num-layers {args.num_layers}: --init-from has {ic.num_layers} layers; layers can only "
+                             "be appended")
         args.intermediate, args.no_confidence = ic.intermediate_size, not ic.confidence_head
         if args.markov_rank is None:
             args.markov_rank = ic.markov_rank
@@ -116,6 +123,8 @@ def parse_args(argv=None):
         args.block_size = 6
     if args.markov_rank is None:
         args.markov_rank = 64
+    if args.num_layers is None:
+        args.num_layers = 2
     return args
 
 
@@ -138,6 +147,17 @@ def widen_markov(state: dict, fresh: dict) -> dict:
         w = torch.zeros_like(fresh["confidence.weight"])
         w[:, : old.shape[1]] = old
         state["confidence.weight"] = w
+    return state
+
+
+def append_layers(state: dict, fresh: dict) -> dict:
+    """A saved drafter's state with `fresh`'s extra layers appended, the same function: each new layer keeps
+    `fresh`'s random init except its attention and MLP output projections, which are zero, so the residual stream
+    passes through it unchanged until training moves them."""
+    state = dict(state)
+    for k, v in fresh.items():
+        if k.startswith("layers.") and k not in state:
+            state[k] = torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v.clone()
     return state
 
 
@@ -301,7 +321,7 @@ def train_rank(rank: int, args, port: int, data) -> None:
         from safetensors.torch import load_file
 
         state = {k: v.float() for k, v in load_file(str(pathlib.Path(args.init_from) / "model.safetensors")).items()}
-        state = widen_markov(state, drafter.state_dict())
+        state = append_layers(widen_markov(state, drafter.state_dict()), drafter.state_dict())
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise SystemExit(f"--init-from {args.init_from}: tensors missing {missing[:4]} / unexpected {unexpected[:4]}")

@@ -76,10 +76,12 @@ def test_nothing_of_the_drafter_crosses_but_tokens_and_confidences(target, draft
 
 @pytest.mark.parametrize("fails_in", ["draft", "ingest"])
 def test_a_drafter_failure_on_the_target_degrades_to_plain_decoding(fails_in, target, drafter, prompts, plain):
-    llm = LLM(target, config=target_config(drafter, schedule="confidence"))
+    cfg = target_config(drafter, schedule="confidence")
     # learn at any load: the planner drafts from the first steps whatever the start-up profile reads (with
     # the prior's gate, a machine busy when the profile ran can close it, and the 3rd call never comes)
-    llm.engine.planner.prior_acceptance = None
+    cfg["speculative"]["prior_acceptance"] = None
+    llm = LLM(target, config=cfg)
+    assert llm.engine.planner.prior_acceptance is None
     proposer = dspark_proposer(llm)
     inner, calls = getattr(proposer, fails_in), [0]
 

@@ -296,11 +296,12 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
     plain.shutdown()
     cfg = {"parallel": {"executor": "local"},
            "speculative": {"method": method, "draft_model": draft and f"{ASSETS}/{draft}", "num_tokens": 4,
-                           "schedule": "confidence"}}
+                           "schedule": "confidence",
+                           "prior_acceptance": None}}  # learn at this load (a typical drafter may not pay here)
     with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
+        assert llm.engine.planner.prior_acceptance is None
         llm.engine.planner.refit_every = 20  # refit within this short run
         llm.engine.planner.min_rounds = 20
-        llm.engine.planner.prior_acceptance = None  # learn at this load (a typical drafter may not pay here)
         outs = llm.generate(bundled_prompts, params)
         assert [o.token_ids for o in outs] == base
         planner = llm.engine.planner

@@ -70,6 +70,7 @@ class Speculation:
         if cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
                                          cfg.speculative.method)
+            self.planner.prior_acceptance = cfg.speculative.prior_acceptance
         self.spec = spec
         self.on_target = cfg.speculative.on_target
         self.drafter_profile: dict[int, float] = {}  # rows -> seconds of a drafting call, at start-up

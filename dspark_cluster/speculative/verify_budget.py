@@ -257,7 +257,7 @@ class VerifyPlanner:
         # EAGLE's first positions read 0.7-0.8): the gate asks whether learning could pay off at this load, and
         # a poorer drafter is found out by its outcomes (at 0.7 the gate closed at batch 1 in process, where
         # tiny-dspark pays, whenever the start-up profile read the drafter a little slow); None: learn first
-        # at any load
+        # at any load (speculative.prior_acceptance)
         self.prior_acceptance: Optional[float] = 0.8
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
