@@ -66,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--markov-rank", type=int, default=None,
                     help="rank of the Markov head (default 64, or --init-from's; a larger one than --init-from's widens "
                          "its Markov head function-preservingly: the new factors' output side starts at zero)")
+    ap.add_argument("--markov-gate", action="store_true",
+                    help="gate the Markov head's factors by the slot's row (DSparkConfig.markov_gate); added to an "
+                         "--init-from drafter without one as a no-op (the gate starts at zero)")
     ap.add_argument("--no-confidence", action="store_true")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2500)
@@ -113,6 +116,7 @@ def parse_args(argv=None):
             raise SystemExit(f"--num-layers {args.num_layers}: --init-from has {ic.num_layers} layers; layers can only "
                              "be appended")
         args.intermediate, args.no_confidence = ic.intermediate_size, not ic.confidence_head
+        args.markov_gate = args.markov_gate or ic.markov_gate
         if args.markov_rank is None:
             args.markov_rank = ic.markov_rank
         elif not ic.markov_rank or args.markov_rank < ic.markov_rank:
@@ -151,13 +155,15 @@ def widen_markov(state: dict, fresh: dict) -> dict:
 
 
 def append_layers(state: dict, fresh: dict) -> dict:
-    """A saved drafter's state with `fresh`'s extra layers appended, the same function: each new layer keeps
-    `fresh`'s random init except its attention and MLP output projections, which are zero, so the residual stream
-    passes through it unchanged until training moves them."""
+    """A saved drafter's state with `fresh`'s extra layers (and Markov gate) added, the same function: each new
+    layer keeps `fresh`'s random init except its attention and MLP output projections, which are zero, so the
+    residual stream passes through it unchanged until training moves them; a new Markov gate is zero (a gate of
+    1 on every factor)."""
     state = dict(state)
     for k, v in fresh.items():
-        if k.startswith("layers.") and k not in state:
-            state[k] = torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v.clone()
+        if k not in state and (k.startswith("layers.") or k == "markov_gate.weight"):
+            zero = k.endswith(("o_proj.weight", "down_proj.weight")) or k == "markov_gate.weight"
+            state[k] = torch.zeros_like(v) if zero else v.clone()
     return state
 
 
@@ -312,7 +318,7 @@ def train_rank(rank: int, args, port: int, data) -> None:
     c = DSparkConfig(target_hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size, target_layer_ids=layers,
                      hidden_size=args.hidden, num_layers=args.num_layers, num_heads=args.heads,
                      intermediate_size=args.intermediate, block_size=args.block_size, markov_rank=args.markov_rank,
-                     confidence_head=not args.no_confidence, mask_token_id=tcfg.pad_token_id or 1,
+                     markov_gate=args.markov_gate, confidence_head=not args.no_confidence, mask_token_id=tcfg.pad_token_id or 1,
                      rope_theta=float(getattr(tcfg, "rope_theta", None) or 10000.0),
                      target={"name": pathlib.Path(args.target).name, "num_layers": tcfg.num_hidden_layers,
                              "embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
@@ -455,7 +461,8 @@ low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
 - Backbone: {c.num_layers} layer(s), width {c.hidden_size}, {c.num_heads} heads, SwiGLU {c.intermediate_size};
   block of {c.block_size} slots (anchor + {c.block_size - 1} mask tokens, id {c.mask_token_id}); drafts up to
   {c.block_size} tokens per forward.
-- Markov head: rank {c.markov_rank}, factored through tiny-moe's tables (W1 = E_in P, W2 = Q E_out^T).
+- Markov head: rank {c.markov_rank}, factored through tiny-moe's tables (W1 = E_in P, W2 = Q E_out^T){
+  '; each factor gated by the slot' + chr(39) + 's row: bias = (W1[x_prev] * (1 + G h)) W2' if c.markov_gate else ''}.
 - Confidence head: {'on, [h ; W1[x_prev]] -> logit' if c.confidence_head else 'off'}.
 - {info['params']:,} parameters, stored in fp16 ({info['bytes']:,} bytes with this card); the embedding and LM
   head are tiny-moe's (frozen, not stored; their fingerprints are in config.json and checked at load).

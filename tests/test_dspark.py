@@ -39,16 +39,19 @@ def drafters(checkpoint, tmp_path_factory):
     return get
 
 
-def test_serving_forward_is_the_training_forward(checkpoint, drafters):
+@pytest.mark.parametrize("markov_gate", [False, True])
+def test_serving_forward_is_the_training_forward(markov_gate, checkpoint, drafters):
     """Context ingested row by row, then one block, gives the logits and confidences of the dense
-    masked training forward at the same anchor (RoPE positions, masks and Markov bias included)."""
+    masked training forward at the same anchor (RoPE positions, masks and Markov bias, gated by the
+    slot's row or not, included)."""
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.proposers import DraftRequest
     from dspark_cluster.speculative.records import ContextRows
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer
 
     target = checkpoint("qwen3_moe")
-    prop = DSparkProposer(drafters("qwen3_moe"), str(target), load_spec(str(target), "float32"), num_tokens=4)
+    prop = DSparkProposer(drafters("qwen3_moe", markov_gate=markov_gate), str(target), load_spec(str(target), "float32"),
+                          num_tokens=4)
     T, F = 16, 2 * 64
     torch.manual_seed(0)
     tokens = torch.randint(2, 160, (1, T))
@@ -63,9 +66,15 @@ def test_serving_forward_is_the_training_forward(checkpoint, drafters):
     z, conf = m.forward_train(tokens, hidden, torch.tensor([[anchor]]))
     w1, w2 = m.markov_factors()
     prev = tokens[0, anchor : anchor + 4]
-    e, bias = m.markov_bias(prev, w1, w2)
+    e, bias = m.markov_bias(prev, w1, w2, hn[0])
+    assert m.c.markov_gate == markov_gate
     torch.testing.assert_close(base[0] + bias, z[0, 0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(m.confidence_logit(hn[0], e), conf[0, 0], atol=1e-4, rtol=1e-4)
+    # drafting: slot i's bias reads the token drafted at slot i - 1 (and, gated, slot i's own row)
+    _, (drafted, _, _) = prop.draft([req])
+    prev = torch.cat([tokens[0, anchor:anchor + 1], drafted[0, :3]])
+    _, bias = m.markov_bias(prev, w1, w2, hn[0])
+    assert drafted[0].tolist() == (base[0] + bias).argmax(-1).tolist()
     # a later chunk that arrives before an earlier one waits for it; a recompute rewrites history
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([4]), torch.tensor([2]), hidden[0, 4:6]))
     assert prop.ctx[8].length == 0 and 4 in prop.ctx[8].pending

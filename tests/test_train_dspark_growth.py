@@ -1,5 +1,5 @@
-"""Growing a saved drafter for fine-tuning (`launch/train_dspark.py --init-from` with a wider Markov head or more
-layers) keeps the function it computes: the new parts start as no-ops."""
+"""Growing a saved drafter for fine-tuning (`launch/train_dspark.py --init-from` with a wider Markov head, more
+layers or a Markov gate) keeps the function it computes: the new parts start as no-ops."""
 import sys
 from pathlib import Path
 
@@ -14,11 +14,11 @@ from train_dspark import append_layers, widen_markov  # noqa: E402
 from dspark_cluster.speculative.dspark_model import DSparkConfig, DSparkDrafter  # noqa: E402
 
 
-def drafter(num_layers: int, markov_rank: int, seed: int) -> DSparkDrafter:
+def drafter(num_layers: int, markov_rank: int, seed: int, markov_gate: bool = False) -> DSparkDrafter:
     torch.manual_seed(seed)
     c = DSparkConfig(target_hidden_size=32, vocab_size=64, target_layer_ids=[0, 1], hidden_size=32,
                      num_layers=num_layers, num_heads=4, intermediate_size=48, block_size=4, markov_rank=markov_rank,
-                     confidence_head=True, mask_token_id=1)
+                     markov_gate=markov_gate, confidence_head=True, mask_token_id=1)
     d = DSparkDrafter(c)
     for p in d.parameters():  # a trained-looking drafter: no zero blocks (markov_out starts at zero)
         torch.nn.init.normal_(p, std=0.2)
@@ -27,10 +27,11 @@ def drafter(num_layers: int, markov_rank: int, seed: int) -> DSparkDrafter:
     return d.eval()
 
 
-@pytest.mark.parametrize("layers, rank", [(3, 8), (2, 16), (4, 16)])
-def test_a_grown_drafter_computes_what_the_saved_one_did(layers, rank):
+@pytest.mark.parametrize("layers, rank, gate", [(3, 8, False), (2, 16, False), (4, 16, False), (2, 8, True),
+                                               (3, 16, True)])
+def test_a_grown_drafter_computes_what_the_saved_one_did(layers, rank, gate):
     old = drafter(2, 8, seed=0)
-    new = drafter(layers, rank, seed=1)
+    new = drafter(layers, rank, seed=1, markov_gate=gate)
     state = append_layers(widen_markov(old.state_dict(), new.state_dict()), new.state_dict())
     new.load_state_dict(state, strict=True)
     g = torch.Generator().manual_seed(3)
@@ -50,3 +51,5 @@ def test_a_grown_drafter_computes_what_the_saved_one_did(layers, rank):
         assert new.layers[-1].o_proj.weight.grad.abs().sum() > 0
     if rank > 8:
         assert new.markov_out.weight.grad[:, 8:].abs().sum() > 0
+    if gate:
+        assert new.markov_gate.weight.grad.abs().sum() > 0

@@ -45,6 +45,10 @@ class DSparkConfig:
     intermediate_size: int = 256
     block_size: int = 6  # slots per block = most tokens one forward proposes
     markov_rank: int = 64  # 0: no Markov head
+    # the Markov head's transition read in the slot's context: W1[prev] scaled by (1 + G h) per factor, G
+    # [r, d] from the slot's final row h, so the bias a sampled token adds depends on what the block reads
+    # (a plain low-rank Markov head adds the same bigram bias in every context)
+    markov_gate: bool = False
     confidence_head: bool = True
     mask_token_id: int = 1
     rope_theta: float = 10000.0
@@ -146,6 +150,9 @@ class DSparkDrafter(nn.Module):
             self.markov_in = nn.Linear(Ht, r, bias=False)  # P: W1 = E_in P
             self.markov_out = nn.Linear(r, Ht, bias=False)  # Q: W2 = Q E_out^T
             nn.init.zeros_(self.markov_out.weight)  # start as no bias
+            if c.markov_gate:
+                self.markov_gate = nn.Linear(d, r, bias=False)
+                nn.init.zeros_(self.markov_gate.weight)  # start as the plain Markov head
         if c.confidence_head:
             self.confidence = nn.Linear(d + r, 1)
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
@@ -188,12 +195,14 @@ class DSparkDrafter(nn.Module):
             self._w1, self._w2 = w1.detach(), w2.detach().float()
         return self._w1, self._w2
 
-    def markov_bias(self, prev, w1, w2):
-        """prev [...] token ids -> (W1[prev] [..., r], logit bias [..., V])."""
+    def markov_bias(self, prev, w1, w2, hn=None):
+        """prev [...] token ids, hn [..., d] the slots' normed final rows (read with markov_gate) ->
+        (W1[prev] [..., r], logit bias [..., V])."""
         if w1 is None:
             return None, 0.0
         e = w1[prev]
-        return e, (e @ w2).float()
+        g = e if not self.c.markov_gate else e * (1 + self.markov_gate(hn).to(e.dtype))
+        return e, (g @ w2).float()
 
     def confidence_logit(self, hn, e):
         """[h ; W1[prev]] -> raw confidence logit [...] (None without a confidence head)."""
@@ -227,7 +236,7 @@ class DSparkDrafter(nn.Module):
         hn, base = self.head(x.view(B, A, S, -1))
         prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
         w1, w2 = self.markov_factors()
-        e, bias = self.markov_bias(prev, w1, w2)
+        e, bias = self.markov_bias(prev, w1, w2, hn)
         return base + bias, self.confidence_logit(hn, e)
 
 
@@ -256,7 +265,7 @@ class DSparkDrafter(nn.Module):
             x = layer(x, qpos, ck, cv, mask)
         hn, base = self.head(x.view(B, A, S, -1))
         w1, w2 = self.markov_factors()
-        e, bias = self.markov_bias(prev, w1, w2)
+        e, bias = self.markov_bias(prev, w1, w2, hn)
         return base + bias, self.confidence_logit(hn, e)
 
 
@@ -348,7 +357,7 @@ def save_drafter(model: DSparkDrafter, path, dtype=torch.float16) -> int:
 
 
 def random_drafter(target_path, out_dir, seed: int = 0, layers=(0,), block_size: int = 4, markov_rank: int = 8,
-                   hidden: int = 32, scale: float = 1.0):
+                   hidden: int = 32, scale: float = 1.0, markov_gate: bool = False):
     """A random DSpark drafter for the checkpoint at `target_path`, saved in fp32 to `out_dir` (its
     tables are the target's; every matrix drawn at `scale` / sqrt(fan-in), so the Markov head is
     non-zero and its path runs): for tests and device checks, which build their own models."""
@@ -359,7 +368,7 @@ def random_drafter(target_path, out_dir, seed: int = 0, layers=(0,), block_size:
     torch.manual_seed(seed)
     c = DSparkConfig(target_hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, target_layer_ids=list(layers),
                      hidden_size=hidden, num_heads=2, intermediate_size=2 * hidden, block_size=block_size,
-                     markov_rank=markov_rank, mask_token_id=1,
+                     markov_rank=markov_rank, markov_gate=markov_gate, mask_token_id=1,
                      target={"embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
     model = DSparkDrafter(c)
     with torch.no_grad():

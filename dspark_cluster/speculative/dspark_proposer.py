@@ -321,7 +321,7 @@ class DSparkProposer:
         prev = torch.tensor([r.anchor for r in reqs], device=dev)
         tokens, zs, laws, es = [], [], [], []
         for i in range(K):  # left to right through the Markov head only (the backbone ran once)
-            e, bias = m.markov_bias(prev, w1, w2)
+            e, bias = m.markov_bias(prev, w1, w2, hn[:, i])
             z = base[:, i] + bias
             if greedy:
                 tok = z.argmax(-1)
