@@ -66,14 +66,14 @@ def test_serving_forward_is_the_training_forward(markov_gate, checkpoint, drafte
     z, conf = m.forward_train(tokens, hidden, torch.tensor([[anchor]]))
     w1, w2 = m.markov_factors()
     prev = tokens[0, anchor : anchor + 4]
-    e, bias = m.markov_bias(prev, w1, w2, hn[0])
+    e, bias = m.markov_bias(prev, w1, w2, m.markov_gates(hn[0]))
     assert m.c.markov_gate == markov_gate
     torch.testing.assert_close(base[0] + bias, z[0, 0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(m.confidence_logit(hn[0], e), conf[0, 0], atol=1e-4, rtol=1e-4)
     # drafting: slot i's bias reads the token drafted at slot i - 1 (and, gated, slot i's own row)
     _, (drafted, _, _) = prop.draft([req])
     prev = torch.cat([tokens[0, anchor:anchor + 1], drafted[0, :3]])
-    _, bias = m.markov_bias(prev, w1, w2, hn[0])
+    _, bias = m.markov_bias(prev, w1, w2, m.markov_gates(hn[0]))
     assert drafted[0].tolist() == (base[0] + bias).argmax(-1).tolist()
     # a later chunk that arrives before an earlier one waits for it; a recompute rewrites history
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([4]), torch.tensor([2]), hidden[0, 4:6]))

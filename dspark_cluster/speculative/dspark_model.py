@@ -195,14 +195,18 @@ class DSparkDrafter(nn.Module):
             self._w1, self._w2 = w1.detach(), w2.detach().float()
         return self._w1, self._w2
 
-    def markov_bias(self, prev, w1, w2, hn=None):
-        """prev [...] token ids, hn [..., d] the slots' normed final rows (read with markov_gate) ->
-        (W1[prev] [..., r], logit bias [..., V])."""
+    def markov_gates(self, hn):
+        """The slots' normed final rows hn [..., d] -> the Markov factors' gates 1 + G h [..., r] (None
+        without markov_gate)."""
+        return 1 + self.markov_gate(hn) if self.c.markov_rank and self.c.markov_gate else None
+
+    def markov_bias(self, prev, w1, w2, gates=None):
+        """prev [...] token ids, gates [..., r] (markov_gates, or None) -> (W1[prev] [..., r], logit bias
+        [..., V])."""
         if w1 is None:
             return None, 0.0
         e = w1[prev]
-        g = e if not self.c.markov_gate else e * (1 + self.markov_gate(hn).to(e.dtype))
-        return e, (g @ w2).float()
+        return e, ((e if gates is None else e * gates.to(e.dtype)) @ w2).float()
 
     def confidence_logit(self, hn, e):
         """[h ; W1[prev]] -> raw confidence logit [...] (None without a confidence head)."""
@@ -236,7 +240,7 @@ class DSparkDrafter(nn.Module):
         hn, base = self.head(x.view(B, A, S, -1))
         prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
         w1, w2 = self.markov_factors()
-        e, bias = self.markov_bias(prev, w1, w2, hn)
+        e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
 
 
@@ -265,7 +269,7 @@ class DSparkDrafter(nn.Module):
             x = layer(x, qpos, ck, cv, mask)
         hn, base = self.head(x.view(B, A, S, -1))
         w1, w2 = self.markov_factors()
-        e, bias = self.markov_bias(prev, w1, w2, hn)
+        e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
 
 

@@ -311,6 +311,7 @@ class DSparkProposer:
         m, dev = self.model, self.device
         hn, base = self.block_forward(reqs)
         w1, w2 = m.markov_factors()
+        gates = m.markov_gates(hn)  # [B, block, r] or None
         temp = torch.tensor([r.temperature for r in reqs], device=dev)
         top_k = torch.tensor([r.top_k for r in reqs], device=dev)
         top_p = torch.tensor([r.top_p for r in reqs], device=dev)
@@ -321,7 +322,7 @@ class DSparkProposer:
         prev = torch.tensor([r.anchor for r in reqs], device=dev)
         tokens, zs, laws, es = [], [], [], []
         for i in range(K):  # left to right through the Markov head only (the backbone ran once)
-            e, bias = m.markov_bias(prev, w1, w2, hn[:, i])
+            e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
             z = base[:, i] + bias
             if greedy:
                 tok = z.argmax(-1)
