@@ -434,3 +434,17 @@ def test_simulated_drafter_on_the_target_has_no_devices_and_exports_nothing(tmp_
     assert target["comm_bytes"]["hidden_state_export"] == 0 < group["comm_bytes"]["hidden_state_export"]
     assert reps["target"]["simulation"]["time_by_term_s"]["drafter"] > 0
     assert reps["target"]["simulation"]["time_by_term_s"]["export"] == 0
+
+
+def test_simulated_planner_reads_the_prior_gate_from_the_config(tmp_path):
+    """speculative.prior_acceptance reaches the simulator's planner as the engine's: a prior under which no load
+    pays keeps the gate shut before any outcome (nothing learnt, nothing exported), null learns at once."""
+    base = [f"report.out_dir={tmp_path}", "workload.num_requests=16", "speculative.method=dspark",
+            "speculative.draft_model=tiny-dspark", "speculative.num_tokens=4", "speculative.placement=group",
+            "speculative.schedule=confidence"]
+    exported = {}
+    for prior in ("null", "0.01"):
+        cfg = load_config(None, [*base, f"speculative.prior_acceptance={prior}"])
+        rep = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6]}), write=False)
+        exported[prior] = rep["cost"]["comm_bytes"]["hidden_state_export"]
+    assert exported["0.01"] < exported["null"] and exported["null"] > 0

@@ -154,7 +154,8 @@ class SimEngine:
                 xs, ys = profile_grid(self.shapes, self.topo, bare, self.prec, sc.max_num_seqs, cap,
                                       **{k: v for k, v in self.step_kw.items()
                                          if k in ("overlap", "async_host", "dispatch")})
-                self.planner = VerifyPlanner(sp.num_tokens, StepCost(xs, ys), sp.method)
+                self.planner = VerifyPlanner(sp.num_tokens, StepCost(xs, ys), sp.method,
+                                             prior_acceptance=sp.prior_acceptance)
                 self.planner.clock = lambda: self.now  # its exploration paced in simulated time
         # experts: routing draws, the placement, the balancer's window
         self.moe = self.shapes.num_moe_layers > 0 and self.topo.world > 1

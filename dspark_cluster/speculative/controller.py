@@ -69,8 +69,7 @@ class Speculation:
         self.planner: Optional[VerifyPlanner] = None  # speculative.schedule: confidence
         if cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
-                                         cfg.speculative.method)
-            self.planner.prior_acceptance = cfg.speculative.prior_acceptance
+                                         cfg.speculative.method, prior_acceptance=cfg.speculative.prior_acceptance)
         self.spec = spec
         self.on_target = cfg.speculative.on_target
         self.drafter_profile: dict[int, float] = {}  # rows -> seconds of a drafting call, at start-up

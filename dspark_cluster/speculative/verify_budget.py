@@ -219,7 +219,7 @@ class VerifyPlanner:
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 500,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
-                 calibration: str = "isotonic", compare: tuple = ("sts",)):
+                 calibration: str = "isotonic", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8):
         self.k, self.step_cost, self.method = k, step_cost, method
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
@@ -258,7 +258,7 @@ class VerifyPlanner:
         # a poorer drafter is found out by its outcomes (at 0.7 the gate closed at batch 1 in process, where
         # tiny-dspark pays, whenever the start-up profile read the drafter a little slow); None: learn first
         # at any load (speculative.prior_acceptance)
-        self.prior_acceptance: Optional[float] = 0.8
+        self.prior_acceptance = prior_acceptance
         # a step that drafts only to keep the estimates fresh drafts for this many rows
         self.explore_rows = explore_rows
         self.exploring = False
