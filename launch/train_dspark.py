@@ -154,7 +154,7 @@ def widen_markov(state: dict, fresh: dict) -> dict:
     return state
 
 
-def append_layers(state: dict, fresh: dict) -> dict:
+def add_new_parts(state: dict, fresh: dict) -> dict:
     """A saved drafter's state with `fresh`'s extra layers (and Markov gate) added, the same function: each new
     layer keeps `fresh`'s random init except its attention and MLP output projections, which are zero, so the
     residual stream passes through it unchanged until training moves them; a new Markov gate is zero (a gate of
@@ -327,7 +327,7 @@ def train_rank(rank: int, args, port: int, data) -> None:
         from safetensors.torch import load_file
 
         state = {k: v.float() for k, v in load_file(str(pathlib.Path(args.init_from) / "model.safetensors")).items()}
-        state = append_layers(widen_markov(state, drafter.state_dict()), drafter.state_dict())
+        state = add_new_parts(widen_markov(state, drafter.state_dict()), drafter.state_dict())
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise SystemExit(f"--init-from {args.init_from}: tensors missing {missing[:4]} / unexpected {unexpected[:4]}")
@@ -448,6 +448,7 @@ def write_card(out: pathlib.Path, args: dict, info: dict) -> None:
     t1_text = (f"; {args['gen_t1_share']:.0%} of the continuation samples drawn from the temperature-1 ones"
                if args.get("gen_t1_share") is not None else "")
     t1_samples_text = (f" ({args['gen_t1_samples']} samples each)" if args.get("gen_t1_samples", 1) > 1 else "")
+    gate_text = "; each factor gated by the slot's row: bias = (W1[x_prev] * (1 + G h)) W2" if c.markov_gate else ""
     rows = "\n".join(f"| {h['step']} | {h['min']} | {h['loss']} | {h['ce']} | {h['tv']} | {h.get('bce', '-')} | "
                      f"{' '.join(str(a) for a in h['accept_by_slot'])} | {h['tau_est']} |" for h in pick)
     out.joinpath("README.md").write_text(f"""# tiny-dspark
@@ -461,8 +462,7 @@ low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
 - Backbone: {c.num_layers} layer(s), width {c.hidden_size}, {c.num_heads} heads, SwiGLU {c.intermediate_size};
   block of {c.block_size} slots (anchor + {c.block_size - 1} mask tokens, id {c.mask_token_id}); drafts up to
   {c.block_size} tokens per forward.
-- Markov head: rank {c.markov_rank}, factored through tiny-moe's tables (W1 = E_in P, W2 = Q E_out^T){
-  '; each factor gated by the slot' + chr(39) + 's row: bias = (W1[x_prev] * (1 + G h)) W2' if c.markov_gate else ''}.
+- Markov head: rank {c.markov_rank}, factored through tiny-moe's tables (W1 = E_in P, W2 = Q E_out^T){gate_text}.
 - Confidence head: {'on, [h ; W1[x_prev]] -> logit' if c.confidence_head else 'off'}.
 - {info['params']:,} parameters, stored in fp16 ({info['bytes']:,} bytes with this card); the embedding and LM
   head are tiny-moe's (frozen, not stored; their fingerprints are in config.json and checked at load).

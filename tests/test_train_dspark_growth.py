@@ -9,7 +9,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
 
-from train_dspark import append_layers, widen_markov  # noqa: E402
+from train_dspark import add_new_parts, widen_markov  # noqa: E402
 
 from dspark_cluster.speculative.dspark_model import DSparkConfig, DSparkDrafter  # noqa: E402
 
@@ -32,7 +32,7 @@ def drafter(num_layers: int, markov_rank: int, seed: int, markov_gate: bool = Fa
 def test_a_grown_drafter_computes_what_the_saved_one_did(layers, rank, gate):
     old = drafter(2, 8, seed=0)
     new = drafter(layers, rank, seed=1, markov_gate=gate)
-    state = append_layers(widen_markov(old.state_dict(), new.state_dict()), new.state_dict())
+    state = add_new_parts(widen_markov(old.state_dict(), new.state_dict()), new.state_dict())
     new.load_state_dict(state, strict=True)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 64, (2, 20), generator=g)
