@@ -73,6 +73,52 @@ def test_greedy_generation_matches_transformers(arch, checkpoint):
         assert out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
+def test_prompt_chunks_of_different_lengths_attend_in_groups_and_match_transformers(arch, checkpoint):
+    """Prompt chunks of very different lengths in one step are attended in several padded batches (a short
+    chunk is not padded to the longest's queries and keys), decodes in their own; every row still matches."""
+    block_size = 4
+    seqs = random_prompts([93, 7, 71, 5, 40], seed=5)
+    cached = [0, 0, 30, 0, 39]  # seq 2 prefills its last 41 tokens over 30 cached ones; seq 4 decodes
+    path = checkpoint(arch)
+    model, tables = paged_model(path, [len(s) for s in seqs], block_size)
+    hf = hf_model(path)
+    with torch.no_grad():
+        first = [i for i, c in enumerate(cached) if c]
+        lens = torch.tensor([cached[i] for i in first])
+        positions, meta = build_metadata(lens, lens, tables[first], block_size)
+        model(torch.tensor([t for i in first for t in seqs[i][: cached[i]]]), positions, meta)
+        q = torch.tensor([len(s) - c for s, c in zip(seqs, cached)])
+        positions, meta = build_metadata(q, torch.tensor([len(s) for s in seqs]), tables, block_size)
+        # the decode; the two long chunks together; the two short ones together
+        assert [(b.num_seqs, b.max_q) for b in meta.batches] == [(1, 1), (2, 93), (2, 7)]
+        logits = model.compute_logits(model(torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]]), positions, meta))
+        for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
+            assert rel_err(chunk, hf(torch.tensor([s])).logits[0, c:]) <= 1e-4
+
+
+def test_padded_batches_stay_within_their_slack():
+    """pad_groups: every sequence in exactly one batch, in step order, each batch's padded query-key pairs
+    within PAD_SLACK x its own + PAD_MIN_PAIRS; sequences of one size share a batch."""
+    import numpy as np
+
+    from dspark_cluster.model.attention import PAD_MIN_PAIRS, PAD_SLACK, pad_groups
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        B = int(rng.integers(1, 40))
+        q = rng.integers(2, 300, B)
+        ctx = q + rng.integers(0, 200, B) * rng.integers(0, 2, B)
+        groups = pad_groups(np.arange(B), q, ctx, 16)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(B))
+        for g in groups:
+            assert (np.diff(g) > 0).all()
+            span = -(-ctx[g] // 16) * 16
+            assert len(g) == 1 or len(g) * q[g].max() * span.max() <= PAD_SLACK * (q[g] * span).sum() + PAD_MIN_PAIRS
+    same = pad_groups(np.arange(16), np.full(16, 200), np.full(16, 200), 16)
+    assert len(same) == 1
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
 def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, checkpoint):
     """Decodes and prefill chunks in the same step are attended as separate batches; every row's

@@ -4,7 +4,7 @@ The KV cache is a pool of fixed-size blocks; a sequence's `block_table` lists it
 and `slot_mapping[t] = block * block_size + offset` says where new token t's K/V is written.
 Attention gathers each sequence's blocks into a padded [B, S] view and runs SDPA with a causal
 mask built from positions, so a batch can mix prefill chunks and decodes of any lengths; decodes
-and longer queries are padded separately.
+and longer queries are padded separately, and longer queries in groups of similar size (`pad_groups`).
 """
 
 from __future__ import annotations
@@ -116,14 +116,45 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     positions = (ctx - q)[seq_of_token] + idx_in_seq
     slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
     decode = q == 1
-    if decode.all() or not decode.any():
+    # decodes: one batch (a compiled step's layout); longer queries: groups of similar size
+    groups = ([np.flatnonzero(decode)] if decode.any() else []) + \
+        (pad_groups(np.flatnonzero(~decode), q, ctx, block_size) if not decode.all() else [])
+    if len(groups) == 1:
         batches = [_batch(None, q, ctx, bt, block_size, min_blocks)]
     else:
         batches = []
-        for part in (decode, ~decode):
-            rows = _tensor(np.flatnonzero(part[seq_of_token]))
-            batches.append(_batch(rows, q[part], ctx[part], bt[part], block_size, min_blocks))
+        for seqs in groups:
+            rows = _tensor(np.flatnonzero(np.isin(seq_of_token, seqs)))
+            batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size, min_blocks))
     return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
+
+
+# A batch's padded attention (every sequence's queries and keys padded to the batch's longest) may cost this
+# much more than its sequences' own (slack x own + the pairs an extra batch's ops cost): a prompt chunk of 256
+# tokens padded beside one of 24 would attend 10x its keys; a verify step of mixed draft lengths stays one batch.
+PAD_SLACK, PAD_MIN_PAIRS = 1.25, 4096
+
+
+def pad_groups(seqs: np.ndarray, q: np.ndarray, ctx: np.ndarray, block_size: int) -> list:
+    """Split sequences `seqs` (indices into q [B] query lengths, ctx [B] context lengths) into padded
+    batches: largest key span first, a sequence joins the open batch while the batch's padded query-key
+    pairs stay within PAD_SLACK x its own + PAD_MIN_PAIRS. Returns index arrays, each in ascending order
+    (the step's token order)."""
+    if len(seqs) < 2:
+        return [seqs] if len(seqs) else []
+    span = -(-ctx[seqs] // block_size) * block_size  # keys a sequence's batch gathers
+    order = np.lexsort((-q[seqs], -span))
+    groups, cur, max_q, max_s, own = [], [], 0, 0, 0
+    for i in order.tolist():
+        qi, si = int(q[seqs[i]]), int(span[i])
+        mq, ms, o = max(max_q, qi), max(max_s, si), own + qi * si
+        if cur and (len(cur) + 1) * mq * ms > PAD_SLACK * o + PAD_MIN_PAIRS:
+            groups.append(np.sort(seqs[cur]))
+            cur, mq, ms, o = [], qi, si, qi * si
+        cur.append(i)
+        max_q, max_s, own = mq, ms, o
+    groups.append(np.sort(seqs[cur]))
+    return groups
 
 
 def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
