@@ -100,6 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--gen-t1-share", type=float, default=None,
                     help="share of the continuation samples drawn from the temperature-1 ones (default: uniform "
                          "over all continuations, i.e. ~half)")
+    ap.add_argument("--second-pass-share", type=float, default=0.0,
+                    help="share of blocks trained as a second pass (slot 1 holds the true next token; slot 0 unscored)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -117,6 +119,8 @@ def parse_args(argv=None):
                              "be appended")
         args.intermediate, args.no_confidence = ic.intermediate_size, not ic.confidence_head
         args.markov_gate = args.markov_gate or ic.markov_gate
+        if ic.draft_passes == 2 and not args.second_pass_share:  # keep training the second pass it serves
+            args.second_pass_share = 0.5
         if args.markov_rank is None:
             args.markov_rank = ic.markov_rank
         elif not ic.markov_rank or args.markov_rank < ic.markov_rank:
@@ -318,7 +322,8 @@ def train_rank(rank: int, args, port: int, data) -> None:
     c = DSparkConfig(target_hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size, target_layer_ids=layers,
                      hidden_size=args.hidden, num_layers=args.num_layers, num_heads=args.heads,
                      intermediate_size=args.intermediate, block_size=args.block_size, markov_rank=args.markov_rank,
-                     markov_gate=args.markov_gate, confidence_head=not args.no_confidence, mask_token_id=tcfg.pad_token_id or 1,
+                     markov_gate=args.markov_gate, confidence_head=not args.no_confidence,
+                     draft_passes=2 if args.second_pass_share else 1, mask_token_id=tcfg.pad_token_id or 1,
                      rope_theta=float(getattr(tcfg, "rope_theta", None) or 10000.0),
                      target={"name": pathlib.Path(args.target).name, "num_layers": tcfg.num_hidden_layers,
                              "embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
@@ -367,10 +372,15 @@ def train_rank(rank: int, args, port: int, data) -> None:
         tokens, loss_mask = tokens.to(device), loss_mask.to(device)
         ctx, p_target = teacher(tokens)
         anchors = sample_anchors(loss_mask.cpu(), args.anchors, gen).to(device)
-        z, conf = engine.module.forward_train(tokens, ctx, anchors)
+        second = None
+        if args.second_pass_share:
+            second = (torch.rand(anchors.shape, generator=gen) < args.second_pass_share).to(device)
+        z, conf = engine.module.forward_train(tokens, ctx, anchors, second)
         label_pos, weight = block_weights(anchors, tokens.shape[1], S, loss_mask=loss_mask)
         valid = weight > 0
         weight = valid * w_slot  # the slot weighting of the options (default exp(-j/4), block_weights')
+        if second is not None:  # a second pass's slot 0 sees its own label at slot 1: not scored
+            weight[..., 0] = weight[..., 0] * ~second
         B, A = anchors.shape
         flat = label_pos.reshape(B, A * S)
         labels = tokens.gather(1, flat).reshape(-1)
@@ -395,11 +405,18 @@ def train_rank(rank: int, args, port: int, data) -> None:
                 q = z.float().softmax(-1)
                 ptv = pt.view(B, A, S, -1)
                 acc = (1 - 0.5 * (q - ptv).abs().sum(-1)).clamp(0, 1)
-                by_slot = [(acc[..., j][valid[..., j]].mean().item()) for j in range(S)]
+                first = valid if second is None else valid & ~second[..., None]
+                by_slot = [(acc[..., j][first[..., j]].mean().item()) for j in range(S)]
                 tau = 1 + sum(math.prod(by_slot[: j + 1]) for j in range(S))
+                extra = {}
+                if second is not None and bool(second.any()):  # slot 0 from a first pass, the rest from a second
+                    two = [by_slot[0]] + [acc[..., j][(valid & second[..., None])[..., j]].mean().item()
+                                          for j in range(1, S)]
+                    extra = {"accept_by_slot_2p": [round(a, 3) for a in two],
+                             "tau_est_2p": round(1 + sum(math.prod(two[: j + 1]) for j in range(S)), 3)}
             row = {"step": step, "min": round((time.time() - t0) / 60, 2), "loss": round(loss.item(), 4),
                    **{k: round(v, 4) for k, v in m.items()}, "accept_by_slot": [round(a, 3) for a in by_slot],
-                   "tau_est": round(tau, 3)}
+                   "tau_est": round(tau, 3), **extra}
             hist.append(row)
             print(json.dumps(row), flush=True)
     if rank == 0:

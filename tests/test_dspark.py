@@ -39,19 +39,20 @@ def drafters(checkpoint, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("markov_gate", [False, True])
-def test_serving_forward_is_the_training_forward(markov_gate, checkpoint, drafters):
+@pytest.mark.parametrize("markov_gate,passes", [(False, 1), (True, 1), (True, 2)])
+def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint, drafters):
     """Context ingested row by row, then one block, gives the logits and confidences of the dense
     masked training forward at the same anchor (RoPE positions, masks and Markov bias, gated by the
-    slot's row or not, included)."""
+    slot's row or not, included); with two passes, slots 1.. those of a second-pass block, and online
+    calibration's forward over a recorded round those the draft was made with."""
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.proposers import DraftRequest
     from dspark_cluster.speculative.records import ContextRows
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer
 
     target = checkpoint("qwen3_moe")
-    prop = DSparkProposer(drafters("qwen3_moe", markov_gate=markov_gate), str(target), load_spec(str(target), "float32"),
-                          num_tokens=4)
+    prop = DSparkProposer(drafters("qwen3_moe", markov_gate=markov_gate, draft_passes=passes), str(target),
+                          load_spec(str(target), "float32"), num_tokens=4)
     T, F = 16, 2 * 64
     torch.manual_seed(0)
     tokens = torch.randint(2, 160, (1, T))
@@ -70,11 +71,27 @@ def test_serving_forward_is_the_training_forward(markov_gate, checkpoint, drafte
     assert m.c.markov_gate == markov_gate
     torch.testing.assert_close(base[0] + bias, z[0, 0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(m.confidence_logit(hn[0], e), conf[0, 0], atol=1e-4, rtol=1e-4)
-    # drafting: slot i's bias reads the token drafted at slot i - 1 (and, gated, slot i's own row)
-    _, (drafted, _, _) = prop.draft([req])
+    if passes == 2:  # the second pass, teacher-forced: slot 1 holds the true token after the anchor
+        hn2, base2 = prop.block_forward([req], tokens[0, anchor + 1:anchor + 2])
+        z2, conf2 = m.forward_train(tokens, hidden, torch.tensor([[anchor]]), torch.tensor([[True]]))
+        e2, bias2 = m.markov_bias(prev, w1, w2, m.markov_gates(hn2[0]))
+        torch.testing.assert_close((base2[0] + bias2)[1:], z2[0, 0, 1:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(m.confidence_logit(hn2[0], e2)[1:], conf2[0, 0, 1:], atol=1e-4, rtol=1e-4)
+    # drafting: slot i's bias reads the token drafted at slot i - 1 (and, gated, slot i's own row); with two
+    # passes slots 1.. come from a block holding slot 0's draft
+    _, (drafted, confs, _) = prop.draft([req])
     prev = torch.cat([tokens[0, anchor:anchor + 1], drafted[0, :3]])
-    _, bias = m.markov_bias(prev, w1, w2, m.markov_gates(hn[0]))
+    if passes == 2:
+        hn2, base2 = prop.block_forward([req], drafted[0, :1])
+        hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
+    e, bias = m.markov_bias(prev, w1, w2, m.markov_gates(hn[0]))
     assert drafted[0].tolist() == (base[0] + bias).argmax(-1).tolist()
+    torch.testing.assert_close(confs[0], torch.sigmoid(m.confidence_logit(hn[0], e)))
+    # online calibration's forward of this round (the rows before the anchor; prev: anchor, then the drafts)
+    zr, cr = m.forward_rounds(hidden[:, :anchor], torch.arange(anchor)[None], torch.ones(1, anchor, dtype=torch.bool),
+                              tokens[:, anchor:anchor + 1], torch.tensor([[anchor]]), prev[None, None])
+    torch.testing.assert_close(zr[0, 0, :4], base[0, :4] + bias, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.sigmoid(cr[0, 0, :4]), confs[0], atol=1e-4, rtol=1e-4)
     # a later chunk that arrives before an earlier one waits for it; a recompute rewrites history
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([4]), torch.tensor([2]), hidden[0, 4:6]))
     assert prop.ctx[8].length == 0 and 4 in prop.ctx[8].pending
@@ -86,6 +103,38 @@ def test_serving_forward_is_the_training_forward(markov_gate, checkpoint, drafte
     prop.free([8])
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([3]), torch.tensor([1]), hidden[0, 3:4]))
     assert 8 not in prop.ctx
+
+
+def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):
+    """`forward_train(..., second_pass)`: a second-pass block holds the token after the anchor at slot 1
+    (train_dspark.py --second-pass-share): its later slots read that token through the backbone, where a
+    first pass's slot 2 does not depend on it at all (slot 1 holds a mask, and the Markov head reads it at
+    slot 1 only)."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    target = checkpoint("qwen3_moe")
+    m = DSparkProposer(drafters("qwen3_moe", markov_gate=True), str(target), load_spec(str(target), "float32"),
+                       num_tokens=4).model
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 160, (1, 16))
+    hidden = torch.randn(1, 16, 2 * 64)
+    anchors = torch.tensor([[6, 9]])
+    with torch.no_grad():
+        z1, c1 = m.forward_train(tokens, hidden, anchors)
+        z0, c0 = m.forward_train(tokens, hidden, anchors, torch.zeros_like(anchors, dtype=torch.bool))
+        assert torch.equal(z0, z1) and torch.equal(c0, c1)
+        second = torch.tensor([[True, False]])
+        z2, _ = m.forward_train(tokens, hidden, anchors, second)
+        other = tokens.clone()
+        other[0, 7] = (tokens[0, 7] + 1) % 160  # the token after the first block's anchor
+        z1b, _ = m.forward_train(other, hidden, anchors)
+        z2b, _ = m.forward_train(other, hidden, anchors, second)
+    assert torch.equal(z1[0, 0, 2], z1b[0, 0, 2])  # first pass: slot 2 never sees it
+    assert not torch.allclose(z2[0, 0, 2], z2b[0, 0, 2])  # second pass: it does
+    assert torch.equal(z2[0, 1], z1[0, 1])  # the other block is a first pass
+    ids = torch.tensor([tokens[0, 6], tokens[0, 7], 1, 1])
+    torch.testing.assert_close(m.block_input(tokens[0, 6:7], 4, tokens[0, 7:8])[0], m.in_proj(m.embed[ids]))
 
 
 def spy_on_ingest(llm) -> list:
@@ -127,12 +176,14 @@ def test_exported_context_is_the_target_states_of_committed_tokens(placement, ch
     assert exported == (0 if placement == "target" else sum(r.nbytes for r in seen)) and seen
 
 
-@pytest.mark.parametrize("arch, placement", [("qwen3_moe", "group"), ("deepseek_v3", "group"), ("qwen3_moe", "target"),
-                                             ("deepseek_v3", "target")])
-def test_greedy_output_is_identical_with_dspark(arch, placement, checkpoint, drafters, prompts):
+@pytest.mark.parametrize("arch, placement, passes", [("qwen3_moe", "group", 1), ("deepseek_v3", "group", 1),
+                                                     ("qwen3_moe", "target", 1), ("deepseek_v3", "target", 1),
+                                                     ("qwen3_moe", "group", 2), ("deepseek_v3", "target", 2)])
+def test_greedy_output_is_identical_with_dspark(arch, placement, passes, checkpoint, drafters, prompts):
     target = checkpoint(arch)
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
-    llm = LLM(target, config=dspark_config(drafters(arch), k=3, placement=placement))
+    drafter = drafters(arch, draft_passes=passes) if passes > 1 else drafters(arch)
+    llm = LLM(target, config=dspark_config(drafter, k=3, placement=placement))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == base
     stats = llm.engine.drafter.stats.summary()
@@ -143,11 +194,12 @@ def test_greedy_output_is_identical_with_dspark(arch, placement, checkpoint, dra
 
 
 def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0,  # noqa: F811
-                      placement: str = "group") -> float:
+                      placement: str = "group", passes: int = 1) -> float:
     """Speculation with a random DSpark drafter over small_vocab's target, k drafts a round: the
     p-value of the output law against the target's (see test_speculative's law tests), after
     checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected."""
-    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0,
+                         draft_passes=passes)
     llm = LLM(small_vocab["target"], config={"scheduler": LAW_SCHED, "speculative": {
         "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement}})
     spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
@@ -160,11 +212,13 @@ def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000
     return p
 
 
-@pytest.mark.parametrize("k, top_p, placement", [(2, 1.0, "group"), (3, 0.8, "group"), (3, 0.8, "target")])
-def test_dspark_sampling_is_lossless(k, top_p, placement, small_vocab, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("k, top_p, placement, passes", [(2, 1.0, "group", 1), (3, 0.8, "group", 1),
+                                                         (3, 0.8, "target", 1), (3, 1.0, "group", 2)])
+def test_dspark_sampling_is_lossless(k, top_p, placement, passes, small_vocab, tmp_path):  # noqa: F811
     """With the drafter on the target the draft law of a sampled row never crosses: the driver rank
-    verifies against the law it kept."""
-    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement)
+    verifies against the law it kept. A two-pass drafter's later slots are drawn from the second forward's
+    law, which the verifier must then use."""
+    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement, passes=passes)
     assert p > LAW_P, p
 
 

@@ -233,6 +233,27 @@ def test_draft_cost_scales_with_forwards():
     assert d(4, draft_forwards("draft_model", 2)) == pytest.approx(0.010)
     assert d(1, 1) == pytest.approx(0.005 / 4) and d(16, 1) == pytest.approx(0.020)  # outside: by rows
     assert draft_forwards("dspark", 6) == 1 and draft_forwards("dspark", 0) == 0
+    # a two-pass DSpark drafter (draft_passes 2): a second forward from 2 tokens on
+    assert [draft_forwards("dspark", k, 2) for k in (0, 1, 2, 6)] == [0, 1, 2, 2]
+
+
+def test_the_planner_prices_a_two_pass_drafter_from_its_config(tmp_path):
+    """The engine's planner reads the drafter's draft_passes, so a proposal of 2+ tokens costs two forwards."""
+    import json
+
+    from dspark_cluster.config import load_config
+    from dspark_cluster.speculative.dspark_model import draft_passes_of
+
+    for passes in (1, 2):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "dspark_drafter", "target_hidden_size": 8,
+                                                          "vocab_size": 16, "target_layer_ids": [0],
+                                                          "draft_passes": passes}))
+        sp = load_config(None, ["speculative.method=dspark", f"speculative.draft_model={tmp_path}"]).speculative
+        assert draft_passes_of(sp) == passes
+    assert draft_passes_of(load_config(None, []).speculative) == 1
+    planner = VerifyPlanner(4, StepCost([1, 8], [0.01, 0.02]), "dspark", draft_passes=2)
+    planner.draft_cost.observe(4, draft_forwards("dspark", 4, planner.draft_passes), 0.004)
+    assert planner.draft_cost(4, draft_forwards("dspark", 1, planner.draft_passes)) == pytest.approx(0.002)
 
 
 def test_draft_cost_past_the_rows_measured_grows_as_the_target_step_does():

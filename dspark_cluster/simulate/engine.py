@@ -90,6 +90,7 @@ class DrafterFigures(NamedTuple):
     export_layers: int = 0  # DSpark: the target layers whose hidden states it reads
     context_window: int = 0  # DSpark: the committed rows a sequence keeps while its drafter is idle
     num_layers: int = 0  # its decoder layers (each pays the device's layer_overhead_s a forward)
+    draft_passes: int = 1  # DSpark: block forwards a proposal takes
 
 
 class SimEngine:
@@ -155,7 +156,7 @@ class SimEngine:
                                       **{k: v for k, v in self.step_kw.items()
                                          if k in ("overlap", "async_host", "dispatch")})
                 self.planner = VerifyPlanner(sp.num_tokens, StepCost(xs, ys), sp.method,
-                                             prior_acceptance=sp.prior_acceptance)
+                                             prior_acceptance=sp.prior_acceptance, draft_passes=drafter.draft_passes)
                 self.planner.clock = lambda: self.now  # its exploration paced in simulated time
         # experts: routing draws, the placement, the balancer's window
         self.moe = self.shapes.num_moe_layers > 0 and self.topo.world > 1
@@ -259,7 +260,7 @@ class SimEngine:
             law[id(s)] = cond[i]
             keep[id(s)] = n
         method = self.cfg.speculative.method
-        forwards = draft_forwards(method, k)
+        forwards = draft_forwards(method, k, self.drafter.draft_passes)
         per_forward = len(rows) * (k if method == "dspark" else 1)
         if self.context_window:  # the drafter computes the keys and values of the rows it got since its last call
             per_forward += sum(self.unread_rows.pop(s.seq.seq_id, 0) for s in rows)

@@ -46,12 +46,13 @@ def hardware_name(cfg: Config, opts: SimOptions) -> str:
 def drafter_figures(cfg: Config, opts: SimOptions) -> DrafterFigures:
     """The drafter's figures from its config.json (the options override its size and export)."""
     sp = cfg.speculative
-    params, export, window, layers = 0.0, 0, 0, 0
+    params, export, window, layers, passes = 0.0, 0, 0, 0, 1
     if sp.enabled and sp.draft_model:
         raw = json.loads((Path(sp.draft_model) / "config.json").read_text())
         if raw.get("model_type") == DSPARK_MODEL_TYPE:
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
             export, window, layers = len(c.target_layer_ids), context_window_of(sp.context_window, c), c.num_layers
+            passes = c.draft_passes
             params = dense_params(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_heads,
                                   c.head_dim, c.vocab_size)
             params += export * c.target_hidden_size * c.hidden_size + 2 * c.vocab_size * c.markov_rank
@@ -64,7 +65,7 @@ def drafter_figures(cfg: Config, opts: SimOptions) -> DrafterFigures:
         params = opts.drafter_params
     if opts.export_layers is not None:
         export = opts.export_layers
-    return DrafterFigures(float(params), int(export), int(window), int(layers))
+    return DrafterFigures(float(params), int(export), int(window), int(layers), int(passes))
 
 
 def survival_curve(cfg: Config, opts: SimOptions) -> Optional[list]:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .drafting import Drafter
+from .dspark_model import draft_passes_of
 from .on_target import PROFILE_ROWS, profile_calls
 from .proposers import DraftRequest
 from .records import ContextRows, Proposal
@@ -69,7 +70,8 @@ class Speculation:
         self.planner: Optional[VerifyPlanner] = None  # speculative.schedule: confidence
         if cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
-                                         cfg.speculative.method, prior_acceptance=cfg.speculative.prior_acceptance)
+                                         cfg.speculative.method, prior_acceptance=cfg.speculative.prior_acceptance,
+                                         draft_passes=draft_passes_of(cfg.speculative))
         self.spec = spec
         self.on_target = cfg.speculative.on_target
         self.drafter_profile: dict[int, float] = {}  # rows -> seconds of a drafting call, at start-up
@@ -111,7 +113,7 @@ class Speculation:
                 log.warning("drafter start-up profile failed (%s: %s); its cost is learnt on live rows",
                             type(e).__name__, e)
                 profile = {}
-        forwards = draft_forwards(self.cfg.speculative.method, self.lookahead)
+        forwards = draft_forwards(self.cfg.speculative.method, self.lookahead, self.planner.draft_passes)
         for rows, seconds in profile.items():
             self.planner.draft_cost.observe(int(rows), forwards, seconds)
         self.drafter_profile = {int(r): s for r, s in profile.items()}

@@ -10,7 +10,10 @@ A small transformer that drafts a whole block in one forward, conditioned on the
 - low-rank Markov head: slot j's logits get the bias `W1[x_{j-1}] W2` of the token before it, so the
   block is sampled left to right through this cheap head while the backbone ran once;
 - confidence head: `c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)`, trained toward 1 - TV(q_j, p_j),
-  the chance that slot j is accepted given that slot j-1 was.
+  the chance that slot j is accepted given that slot j-1 was;
+- a second pass (`draft_passes: 2`, ours): slot 0 is drafted from the block above; the block runs again
+  with that draft in slot 1, and slots 1.. are drafted from the second forward, so they read the sampled
+  token through the backbone (at temperature 1 it is often not the one the first forward expected).
 
 Our size (the bundled assets must stay small): the embedding and LM head are the target's, frozen
 and not stored; the drafter runs at a narrower width `hidden_size` with projections to and from the
@@ -50,6 +53,10 @@ class DSparkConfig:
     # (a plain low-rank Markov head adds the same bigram bias in every context)
     markov_gate: bool = False
     confidence_head: bool = True
+    # block forwards a draft takes: 1, or 2 (slot 0 drafted from the first; slots 1.. from a second whose slot 1
+    # holds that draft, so they read it through the backbone, not only through the Markov head; trained with
+    # train_dspark.py --second-pass-share)
+    draft_passes: int = 1
     mask_token_id: int = 1
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -72,6 +79,14 @@ class DSparkConfig:
 
 
 DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calibration trains a round on
+
+
+def draft_passes_of(sp) -> int:
+    """Block forwards a proposal of the speculative config `sp` takes (a DSpark drafter's draft_passes; 1
+    for the other methods, whose forwards verify_budget.draft_forwards counts by their own rule)."""
+    if sp.method != "dspark" or not sp.draft_model:
+        return 1
+    return DSparkConfig.load(Path(sp.draft_model) / "config.json").draft_passes
 
 
 def context_window_of(setting, c: DSparkConfig) -> int:
@@ -172,10 +187,13 @@ class DSparkDrafter(nn.Module):
         """target_hidden [..., n_layers * H_target] -> fused context [..., d]."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def block_input(self, anchors, block_size: int):
-        """anchors [B] -> block embeddings [B, block_size, d]: the anchor, then mask tokens."""
+    def block_input(self, anchors, block_size: int, second=None):
+        """anchors [B] -> block embeddings [B, block_size, d]: the anchor, then mask tokens. second [B]
+        (optional): slot 1's token where >= 0 (a block that already knows its first draft: a second pass)."""
         ids = torch.full((anchors.shape[0], block_size), self.c.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
+        if second is not None:
+            ids[:, 1] = torch.where(second >= 0, second, ids[:, 1])
         return self.in_proj(self.embed[ids])
 
     def head(self, h):
@@ -216,17 +234,22 @@ class DSparkDrafter(nn.Module):
         return self.confidence(x).squeeze(-1)
 
     # ---- training: many blocks of one window in one dense forward --------------------------
-    def forward_train(self, tokens, target_hidden, anchors):
+    def forward_train(self, tokens, target_hidden, anchors, second_pass=None):
         """tokens [B, T] long; target_hidden [B, T, n_layers * H_target] (the target's chosen layer
-        outputs at each token); anchors [B, A] long positions (block b starts at anchors[:, b]).
-        Returns (z [B, A, S, V] Markov-corrected logits with teacher-forced previous tokens,
-        confidence logits [B, A, S] or None), S = block_size."""
+        outputs at each token); anchors [B, A] long positions (block b starts at anchors[:, b]);
+        second_pass [B, A] bool (optional): blocks whose slot 1 holds the true token after the anchor
+        instead of a mask (a second block forward after slot 0 was drafted; slot 0's own output is then
+        not a prediction). Returns (z [B, A, S, V] Markov-corrected logits with teacher-forced previous
+        tokens, confidence logits [B, A, S] or None), S = block_size."""
         B, T = tokens.shape
         A, S = anchors.shape[1], self.c.block_size
         dev = tokens.device
         ctx = self.fuse(target_hidden)  # [B, T, d]
         ctx_pos = torch.arange(T, device=dev).expand(B, T)
-        x = self.block_input(tokens.gather(1, anchors).reshape(-1), S).view(B, A * S, -1)
+        second = None
+        if second_pass is not None:
+            second = torch.where(second_pass, tokens.gather(1, (anchors + 1).clamp(max=T - 1)), -1).reshape(-1)
+        x = self.block_input(tokens.gather(1, anchors).reshape(-1), S, second).view(B, A * S, -1)
         slot = torch.arange(S, device=dev)
         qpos = (anchors[:, :, None] + slot).reshape(B, A * S)
         # a block's slot sees the context strictly before its anchor, and its own block
@@ -256,7 +279,6 @@ class DSparkDrafter(nn.Module):
         B, A = anchors.shape
         S, dev = self.c.block_size, anchors.device
         ctx = self.fuse(target_hidden)
-        x = self.block_input(anchors.reshape(-1), S).view(B, A * S, -1)
         qpos = (anchor_pos[:, :, None] + torch.arange(S, device=dev)).reshape(B, A * S)
         q_anchor = anchor_pos.repeat_interleave(S, dim=1)[:, :, None]  # [B, A*S, 1]
         see_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < q_anchor)
@@ -264,10 +286,18 @@ class DSparkDrafter(nn.Module):
             see_ctx = see_ctx & (ctx_pos[:, None, :] >= q_anchor - window)
         blk = torch.arange(A * S, device=dev) // S
         mask = torch.cat([see_ctx, (blk[:, None] == blk[None, :]).expand(B, -1, -1)], dim=2)
-        for layer in self.layers:
-            ck, cv = layer.context_kv(ctx, ctx_pos)
-            x = layer(x, qpos, ck, cv, mask)
-        hn, base = self.head(x.view(B, A, S, -1))
+        kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
+
+        def block(second=None):
+            x = self.block_input(anchors.reshape(-1), S, second).view(B, A * S, -1)
+            for layer, (ck, cv) in zip(self.layers, kv):
+                x = layer(x, qpos, ck, cv, mask)
+            return self.head(x.view(B, A, S, -1))
+
+        hn, base = block()
+        if self.c.draft_passes == 2:  # slots 1.. from the pass that holds slot 0's draft (prev's slot 1)
+            hn2, base2 = block(prev[:, :, 1].reshape(-1))
+            hn, base = torch.cat([hn[:, :, :1], hn2[:, :, 1:]], 2), torch.cat([base[:, :, :1], base2[:, :, 1:]], 2)
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
@@ -361,7 +391,7 @@ def save_drafter(model: DSparkDrafter, path, dtype=torch.float16) -> int:
 
 
 def random_drafter(target_path, out_dir, seed: int = 0, layers=(0,), block_size: int = 4, markov_rank: int = 8,
-                   hidden: int = 32, scale: float = 1.0, markov_gate: bool = False):
+                   hidden: int = 32, scale: float = 1.0, markov_gate: bool = False, draft_passes: int = 1):
     """A random DSpark drafter for the checkpoint at `target_path`, saved in fp32 to `out_dir` (its
     tables are the target's; every matrix drawn at `scale` / sqrt(fan-in), so the Markov head is
     non-zero and its path runs): for tests and device checks, which build their own models."""
@@ -372,7 +402,7 @@ def random_drafter(target_path, out_dir, seed: int = 0, layers=(0,), block_size:
     torch.manual_seed(seed)
     c = DSparkConfig(target_hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, target_layer_ids=list(layers),
                      hidden_size=hidden, num_heads=2, intermediate_size=2 * hidden, block_size=block_size,
-                     markov_rank=markov_rank, markov_gate=markov_gate, mask_token_id=1,
+                     markov_rank=markov_rank, markov_gate=markov_gate, draft_passes=draft_passes, mask_token_id=1,
                      target={"embed_sha256": tensor_fingerprint(embed), "lm_head_sha256": tensor_fingerprint(head)})
     model = DSparkDrafter(c)
     with torch.no_grad():

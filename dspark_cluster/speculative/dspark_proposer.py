@@ -75,6 +75,9 @@ class DSparkProposer:
         self.window = context_window_of(context_window, c)
         embed, lm_head = target_tables(target_path, target_spec)
         check_against_target(c, target_spec, embed, lm_head, path)
+        if c.draft_passes not in (1, 2):
+            raise ConfigError(f"speculative.draft_model: {path}/config.json has draft_passes {c.draft_passes}; "
+                              "a DSpark drafter drafts in 1 or 2 block forwards")
         if num_tokens > c.block_size:
             raise ConfigError(f"speculative.num_tokens: got {num_tokens}; the DSpark drafter {path.name} drafts at most "
                               f"{c.block_size} tokens per block; use num_tokens <= {c.block_size}")
@@ -244,10 +247,11 @@ class DSparkProposer:
         return {"param_bytes": params + tables, "shared_table_bytes": tables, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
-    def block_forward(self, requests):
+    def block_forward(self, requests, second=None):
         """One backbone forward over a block per request (context ready): returns the final normed
         rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
-        fewer mask slots would change what the trained slots see."""
+        fewer mask slots would change what the trained slots see. second [B]: slot 1's tokens (a
+        second pass: the drafts at slot 0), or None (a mask)."""
         m, dev, S = self.model, self.device, self.c.block_size
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
@@ -255,7 +259,7 @@ class DSparkProposer:
         los = [max(0, n - self.window) for n in lens]  # the window: context rows lo .. len - 1
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
-        x = m.block_input(torch.tensor([r.anchor for r in requests], device=dev), S)
+        x = m.block_input(torch.tensor([r.anchor for r in requests], device=dev), S, second)
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         mask = None
         if min(widths) != C:  # padded context: hide the padding
@@ -321,7 +325,11 @@ class DSparkProposer:
         seeds = [r.seed for r in reqs]  # seeded rows draw slot i's token by its position
         prev = torch.tensor([r.anchor for r in reqs], device=dev)
         tokens, zs, laws, es = [], [], [], []
-        for i in range(K):  # left to right through the Markov head only (the backbone ran once)
+        for i in range(K):  # left to right through the Markov head (the backbone ran once, or twice)
+            if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
+                hn2, base2 = self.block_forward(reqs, tokens[0])
+                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
+                gates = m.markov_gates(hn)
             e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
             z = base[:, i] + bias
             if greedy:

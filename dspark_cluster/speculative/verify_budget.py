@@ -153,10 +153,11 @@ class StepCost:
                 "live_s": self(self.x).tolist()}
 
 
-def draft_forwards(method: str, k: int) -> int:
+def draft_forwards(method: str, k: int, passes: int = 1) -> int:
     """Drafter forwards per proposal of k tokens: DSpark runs its backbone once for the block (the
-    Markov head's k steps are cheap), a draft model runs k forwards, n-gram lookup none worth a model."""
-    return k if method == "draft_model" else (1 if k > 0 else 0)
+    Markov head's k steps are cheap), or twice from 2 tokens with `passes` 2 (its draft_passes); a draft
+    model runs k forwards; n-gram lookup none worth a model."""
+    return k if method == "draft_model" else min(k, passes)
 
 
 class DraftCost:
@@ -219,8 +220,9 @@ class VerifyPlanner:
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 500,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
-                 calibration: str = "isotonic", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8):
-        self.k, self.step_cost, self.method = k, step_cost, method
+                 calibration: str = "isotonic", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8,
+                 draft_passes: int = 1):
+        self.k, self.step_cost, self.method, self.draft_passes = k, step_cost, method, draft_passes
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
         self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
@@ -390,7 +392,7 @@ class VerifyPlanner:
         at the plain step's correction (StepCost.at_load_of)."""
         a = np.concatenate([[0.0], np.cumsum(mean_survival)])  # expected accepted per row with k drafts
         ks = np.arange(self.k + 1)
-        forwards = np.array([draft_forwards(self.method, int(k)) for k in ks])
+        forwards = np.array([draft_forwards(self.method, int(k), self.draft_passes) for k in ks])
         sizes = num_rows * (1 + ks)
         if at_load:
             steps = self.step_cost.at_load_of(sizes, num_rows)
@@ -452,7 +454,7 @@ class VerifyPlanner:
         self.hidden_host_s += alpha * (max(seconds, 0.0) - self.hidden_host_s)
 
     def drafted(self, num_rows: int, k: int, seconds: float) -> None:
-        forwards = draft_forwards(self.method, k)
+        forwards = draft_forwards(self.method, k, self.draft_passes)
         exploring = self.exploring and not self._learning
         if exploring:  # its cost, against the time until the next one
             self._explore_s = seconds + float(self.step_cost(num_rows * (1 + k)) - self.step_cost(num_rows))
