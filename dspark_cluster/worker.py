@@ -52,13 +52,14 @@ class WorkerConfig:
     # speculative.placement target: the DSpark drafter the driver rank hosts ("" : none), and its most tokens
     draft_model: str = ""
     num_draft_tokens: int = 0
+    draft_passes: int = 1
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
         sp = cfg.speculative
         export, window = (), 0
         if sp.enabled and sp.method == "dspark":
-            from .speculative.dspark_model import DSparkConfig, context_window_of
+            from .speculative.dspark_model import DSparkConfig, context_window_of, draft_passes_of
 
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
             export, window = tuple(c.target_layer_ids), context_window_of(sp.context_window, c)
@@ -67,7 +68,8 @@ class WorkerConfig:
                    hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,
                    export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window,
                    draft_model=str(sp.draft_model) if sp.on_target else "",
-                   num_draft_tokens=sp.num_tokens if sp.on_target else 0)
+                   num_draft_tokens=sp.num_tokens if sp.on_target else 0,
+                   draft_passes=draft_passes_of(cfg) if sp.enabled and sp.method == "dspark" else 1)
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -127,7 +129,7 @@ class Worker:
             from .speculative.on_target import TargetDrafter
 
             self.drafter = TargetDrafter(cfg.draft_model, cfg.model.path, spec, self.device, cfg.num_draft_tokens,
-                                         cfg.context_window)
+                                         cfg.context_window, cfg.draft_passes)
 
     # -- KV --------------------------------------------------------------------------------------
 

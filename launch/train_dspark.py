@@ -466,6 +466,10 @@ def write_card(out: pathlib.Path, args: dict, info: dict) -> None:
                if args.get("gen_t1_share") is not None else "")
     t1_samples_text = (f" ({args['gen_t1_samples']} samples each)" if args.get("gen_t1_samples", 1) > 1 else "")
     gate_text = "; each factor gated by the slot's row: bias = (W1[x_prev] * (1 + G h)) W2" if c.markov_gate else ""
+    passes_text = ("\n- Second pass (draft_passes 2): slot 0 drafted from the block above, slots 1.. from a second forward"
+                   " whose slot 1 holds that draft; trained on both, "
+                   f"{args.get('second_pass_share') or 0:.0%} of the blocks as second passes (slot 0 unscored there)"
+                   if c.draft_passes == 2 else "")
     rows = "\n".join(f"| {h['step']} | {h['min']} | {h['loss']} | {h['ce']} | {h['tv']} | {h.get('bce', '-')} | "
                      f"{' '.join(str(a) for a in h['accept_by_slot'])} | {h['tau_est']} |" for h in pick)
     out.joinpath("README.md").write_text(f"""# tiny-dspark
@@ -480,7 +484,7 @@ low-rank Markov head, a confidence head) for the bundled `tiny-moe`, trained by
   block of {c.block_size} slots (anchor + {c.block_size - 1} mask tokens, id {c.mask_token_id}); drafts up to
   {c.block_size} tokens per forward.
 - Markov head: rank {c.markov_rank}, factored through tiny-moe's tables (W1 = E_in P, W2 = Q E_out^T){gate_text}.
-- Confidence head: {'on, [h ; W1[x_prev]] -> logit' if c.confidence_head else 'off'}.
+- Confidence head: {'on, [h ; W1[x_prev]] -> logit' if c.confidence_head else 'off'}.{passes_text}
 - {info['params']:,} parameters, stored in fp16 ({info['bytes']:,} bytes with this card); the embedding and LM
   head are tiny-moe's (frozen, not stored; their fingerprints are in config.json and checked at load).
 

@@ -47,6 +47,7 @@ BAD = [
     ({"speculative": {"method": "medusa"}}, "speculative.method"),
     ({"speculative": {"num_tokens": -1}}, "speculative.num_tokens"),
     ({"speculative": {"prior_acceptance": 1.0}}, "speculative.prior_acceptance"),  # a survival in (0, 1), or null
+    ({"speculative": {"draft_passes": 3}}, "speculative.draft_passes"),  # auto, 1 or 2
     ({"eplb": {"policy": "random", "num_redundant_experts": -1}}, "eplb.policy"),
     ({"modle": {"path": "x"}}, "modle"),
     ({"model": {"dtype": "int8"}}, "model.dtype"),

@@ -14,10 +14,10 @@ from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_ve
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def dspark_config(draft, k=4, placement="group", **parallel):
+def dspark_config(draft, k=4, placement="group", passes="auto", **parallel):
     return {"scheduler": {"block_size": 4, "num_kv_blocks": 256}, "parallel": parallel,
             "speculative": {"method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static",
-                            "placement": placement}}
+                            "placement": placement, "draft_passes": passes}}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint
 
     target = checkpoint("qwen3_moe")
     prop = DSparkProposer(drafters("qwen3_moe", markov_gate=markov_gate, draft_passes=passes), str(target),
-                          load_spec(str(target), "float32"), num_tokens=4)
+                          load_spec(str(target), "float32"), num_tokens=4, draft_passes=passes)
     T, F = 16, 2 * 64
     torch.manual_seed(0)
     tokens = torch.randint(2, 160, (1, T))
@@ -183,7 +183,7 @@ def test_greedy_output_is_identical_with_dspark(arch, placement, passes, checkpo
     target = checkpoint(arch)
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
     drafter = drafters(arch, draft_passes=passes) if passes > 1 else drafters(arch)
-    llm = LLM(target, config=dspark_config(drafter, k=3, placement=placement))
+    llm = LLM(target, config=dspark_config(drafter, k=3, placement=placement, passes=passes))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == base
     stats = llm.engine.drafter.stats.summary()
@@ -201,7 +201,8 @@ def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0,
                          draft_passes=passes)
     llm = LLM(small_vocab["target"], config={"scheduler": LAW_SCHED, "speculative": {
-        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement}})
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement,
+        "draft_passes": passes}})
     spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
     stats = llm.engine.drafter.stats
     assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k

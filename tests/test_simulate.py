@@ -448,3 +448,25 @@ def test_simulated_planner_reads_the_prior_gate_from_the_config(tmp_path):
         rep = simulate(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6]}), write=False)
         exported[prior] = rep["cost"]["comm_bytes"]["hidden_state_export"]
     assert exported["0.01"] < exported["null"] and exported["null"] > 0
+
+
+def test_the_simulated_drafter_takes_the_passes_its_hardware_would(tmp_path):
+    """speculative.draft_passes auto resolves as the simulated hardware would: the bundled drafter's second
+    pass on a GPU, one pass on the CPU; an explicit value is kept."""
+    import json
+    import shutil
+
+    from dspark_cluster.config import ASSETS_DIR, load_config
+    from dspark_cluster.simulate.options import SimOptions
+    from dspark_cluster.simulate.run import drafter_figures
+
+    drafter = tmp_path / "d"
+    shutil.copytree(ASSETS_DIR / "tiny-dspark", drafter)
+    raw = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**raw, "draft_passes": 2}))
+    sets = ["speculative.method=dspark", f"speculative.draft_model={drafter}"]
+    cfg = load_config(None, sets)
+    assert drafter_figures(cfg, SimOptions(hardware="H200")).draft_passes == 2
+    assert drafter_figures(cfg, SimOptions(hardware="cpu")).draft_passes == 1
+    cfg1 = load_config(None, sets + ["speculative.draft_passes=1"])
+    assert drafter_figures(cfg1, SimOptions(hardware="H200")).draft_passes == 1

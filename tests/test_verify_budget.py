@@ -244,13 +244,20 @@ def test_the_planner_prices_a_two_pass_drafter_from_its_config(tmp_path):
     from dspark_cluster.config import load_config
     from dspark_cluster.speculative.dspark_model import draft_passes_of
 
-    for passes in (1, 2):
+    for passes in (2, 1):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "dspark_drafter", "target_hidden_size": 8,
                                                           "vocab_size": 16, "target_layer_ids": [0],
                                                           "draft_passes": passes}))
-        sp = load_config(None, ["speculative.method=dspark", f"speculative.draft_model={tmp_path}"]).speculative
-        assert draft_passes_of(sp) == passes
-    assert draft_passes_of(load_config(None, []).speculative) == 1
+        cfg = load_config(None, ["speculative.method=dspark", f"speculative.draft_model={tmp_path}",
+                                 "parallel.device=cuda"])
+        assert draft_passes_of(cfg) == passes  # auto: the drafter's own on CUDA
+        assert draft_passes_of(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"device": "cpu"})})) == 1
+    assert draft_passes_of(load_config(None, [])) == 1
+    from dspark_cluster.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft_passes: got 2.*trained for one pass"):  # the last one written: 1
+        draft_passes_of(load_config(None, ["speculative.method=dspark", f"speculative.draft_model={tmp_path}",
+                                           "speculative.draft_passes=2"]))
     planner = VerifyPlanner(4, StepCost([1, 8], [0.01, 0.02]), "dspark", draft_passes=2)
     planner.draft_cost.observe(4, draft_forwards("dspark", 4, planner.draft_passes), 0.004)
     assert planner.draft_cost(4, draft_forwards("dspark", 1, planner.draft_passes)) == pytest.approx(0.002)

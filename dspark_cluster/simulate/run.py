@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..model.spec import load_spec
 from ..report import add_expert_summary, save_report, summarize
 from ..sequence import Sequence
-from ..speculative.dspark_model import DSparkConfig, context_window_of
+from ..speculative.dspark_model import DSparkConfig, context_window_of, resolve_draft_passes
 from .engine import DrafterFigures, SimEngine
 from .hardware import get_device
 from .options import SimOptions
@@ -52,7 +52,9 @@ def drafter_figures(cfg: Config, opts: SimOptions) -> DrafterFigures:
         if raw.get("model_type") == DSPARK_MODEL_TYPE:
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
             export, window, layers = len(c.target_layer_ids), context_window_of(sp.context_window, c), c.num_layers
-            passes = c.draft_passes
+            # auto: as the simulated hardware would resolve it (a CPU serves one pass, a GPU the drafter's own)
+            passes = resolve_draft_passes(sp.draft_passes, c, sp.draft_model,
+                                          "cpu" if hardware_name(cfg, opts) == "cpu" else "cuda")
             params = dense_params(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_heads,
                                   c.head_dim, c.vocab_size)
             params += export * c.target_hidden_size * c.hidden_size + 2 * c.vocab_size * c.markov_rank

@@ -28,7 +28,7 @@ import torch
 from ..heartbeat import Heartbeat
 from .calibration import (ROUNDS_PER_SEQUENCE, ReplayBuffer, SequenceSample, collate, forward, group_rounds,
                           round_losses, shadow_scores)
-from .dspark_model import DSparkConfig, DSparkDrafter, load_drafter, target_tables
+from .dspark_model import DSparkConfig, DSparkDrafter, draft_passes_of, load_drafter, target_tables
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Calibrator:
         self.device = torch.device(device)
         embed, lm_head = target_tables(cfg.model.path, target_spec)
         served = load_drafter(sp.draft_model, embed, lm_head, self.device)
+        served.c.draft_passes = draft_passes_of(cfg)  # the function the drafters serve
         self.c: DSparkConfig = served.c
         self.vocab_size = self.c.vocab_size
         self.model = DSparkDrafter(self.c).to(self.device)

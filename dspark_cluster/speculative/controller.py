@@ -71,7 +71,7 @@ class Speculation:
         if cfg.speculative.schedule == "confidence":
             self.planner = VerifyPlanner(self.lookahead, profile_step_cost(executor, cfg, num_groups),
                                          cfg.speculative.method, prior_acceptance=cfg.speculative.prior_acceptance,
-                                         draft_passes=draft_passes_of(cfg.speculative))
+                                         draft_passes=draft_passes_of(cfg))
         self.spec = spec
         self.on_target = cfg.speculative.on_target
         self.drafter_profile: dict[int, float] = {}  # rows -> seconds of a drafting call, at start-up

@@ -19,8 +19,11 @@ class DrafterConfig:
     speculative: SpeculativeConfig
     backend: str  # parallel.backend: the drafters' own world uses it on GPUs (gloo on CPU)
     target_spec: ModelSpec
+    draft_passes: int = 1  # speculative.draft_passes resolved here (dspark_model.draft_passes_of)
 
     @classmethod
     def of(cls, cfg: Config, target_spec: ModelSpec) -> "DrafterConfig":
+        from .dspark_model import draft_passes_of
+
         return cls(model=cfg.model, scheduler=cfg.scheduler, speculative=cfg.speculative,
-                   backend=cfg.parallel.backend, target_spec=target_spec)
+                   backend=cfg.parallel.backend, target_spec=target_spec, draft_passes=draft_passes_of(cfg))

@@ -81,12 +81,32 @@ class DSparkConfig:
 DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calibration trains a round on
 
 
-def draft_passes_of(sp) -> int:
-    """Block forwards a proposal of the speculative config `sp` takes (a DSpark drafter's draft_passes; 1
-    for the other methods, whose forwards verify_budget.draft_forwards counts by their own rule)."""
+def resolve_draft_passes(setting, c: DSparkConfig, path="", device="auto") -> int:
+    """speculative.draft_passes ("auto", 1 or 2) for the drafter of config `c` on parallel.device `device`: auto
+    is its own draft_passes on CUDA (a second block forward is small beside a GPU target's verify step), else 1
+    (on the CPU it cost more than its tau gave: BENCHMARKS.md); 2 needs a drafter trained for it."""
+    if setting == "auto":
+        cuda = device == "cuda" or (str(device) == "auto" and torch.cuda.is_available()) or \
+            getattr(device, "type", None) == "cuda"
+        return c.draft_passes if cuda else 1
+    if int(setting) == 2 and c.draft_passes != 2:
+        raise ConfigError(f"speculative.draft_passes: got 2; the drafter {path} was trained for one pass (draft_passes "
+                          f"{c.draft_passes} in its config.json): use 1 or auto, or train one with "
+                          "launch/train_dspark.py --second-pass-share 0.5")
+    return int(setting)
+
+
+def draft_passes_of(cfg) -> int:
+    """Block forwards a proposal of the run `cfg` takes (speculative.draft_passes resolved for its DSpark drafter
+    and parallel.device; 1 for the other methods, whose forwards verify_budget.draft_forwards counts itself).
+    A DrafterConfig (what drafter actors get) carries it resolved in the engine's process."""
+    if hasattr(cfg, "draft_passes"):
+        return cfg.draft_passes
+    sp = cfg.speculative
     if sp.method != "dspark" or not sp.draft_model:
         return 1
-    return DSparkConfig.load(Path(sp.draft_model) / "config.json").draft_passes
+    return resolve_draft_passes(sp.draft_passes, DSparkConfig.load(Path(sp.draft_model) / "config.json"),
+                                sp.draft_model, cfg.parallel.device)
 
 
 def context_window_of(setting, c: DSparkConfig) -> int:

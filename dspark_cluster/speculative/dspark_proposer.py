@@ -23,7 +23,8 @@ from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
 from .calibration import SequenceSample
 from .records import ContextRows, RoundRecords
-from .dspark_model import DSparkConfig, context_window_of, load_drafter, target_tables, tensor_fingerprint
+from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolve_draft_passes, target_tables,
+                           tensor_fingerprint)
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
@@ -68,7 +69,7 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 class DSparkProposer:
     def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False,
-                 context_window="auto"):
+                 context_window="auto", draft_passes="auto"):
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
         # a block reads the latest `window` context rows before its anchor (speculative.context_window)
@@ -78,11 +79,13 @@ class DSparkProposer:
         if c.draft_passes not in (1, 2):
             raise ConfigError(f"speculative.draft_model: {path}/config.json has draft_passes {c.draft_passes}; "
                               "a DSpark drafter drafts in 1 or 2 block forwards")
+        c.draft_passes = resolve_draft_passes(draft_passes, c, path, torch.device(device))  # what it serves
         if num_tokens > c.block_size:
             raise ConfigError(f"speculative.num_tokens: got {num_tokens}; the DSpark drafter {path.name} drafts at most "
                               f"{c.block_size} tokens per block; use num_tokens <= {c.block_size}")
         self.device = torch.device(device)
         self.model = load_drafter(path, embed, lm_head, self.device)
+        self.model.c.draft_passes = c.draft_passes
         self.c = c
         self.layer_ids = tuple(c.target_layer_ids)
         self.ctx: dict[int, _Context] = {}

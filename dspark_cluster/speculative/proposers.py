@@ -21,6 +21,7 @@ from ..model.attention import build_metadata
 from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
 from ..sampling import DRAFT, filter_logits, race_sample
+from .dspark_model import draft_passes_of
 from .dspark_proposer import DSparkProposer
 from .records import Proposal
 
@@ -288,5 +289,6 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
                                   comm=comm)
     if sp.method == "dspark":
         return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens,
-                              calibrate=sp.calibration.enabled, context_window=sp.context_window)
+                              calibrate=sp.calibration.enabled, context_window=sp.context_window,
+                              draft_passes=draft_passes_of(cfg))
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")
