@@ -73,30 +73,6 @@ def test_greedy_generation_matches_transformers(arch, checkpoint):
         assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
-def test_prompt_chunks_of_different_lengths_attend_in_groups_and_match_transformers(arch, checkpoint):
-    """Prompt chunks of very different lengths in one step are attended in several padded batches (a short
-    chunk is not padded to the longest's queries and keys), decodes in their own; every row still matches."""
-    block_size = 4
-    seqs = random_prompts([93, 7, 71, 5, 40], seed=5)
-    cached = [0, 0, 30, 0, 39]  # seq 2 prefills its last 41 tokens over 30 cached ones; seq 4 decodes
-    path = checkpoint(arch)
-    model, tables = paged_model(path, [len(s) for s in seqs], block_size)
-    hf = hf_model(path)
-    with torch.no_grad():
-        first = [i for i, c in enumerate(cached) if c]
-        lens = torch.tensor([cached[i] for i in first])
-        positions, meta = build_metadata(lens, lens, tables[first], block_size)
-        model(torch.tensor([t for i in first for t in seqs[i][: cached[i]]]), positions, meta)
-        q = torch.tensor([len(s) - c for s, c in zip(seqs, cached)])
-        positions, meta = build_metadata(q, torch.tensor([len(s) for s in seqs]), tables, block_size)
-        # the decode; the two long chunks together; the two short ones together
-        assert [(b.num_seqs, b.max_q) for b in meta.batches] == [(1, 1), (2, 93), (2, 7)]
-        logits = model.compute_logits(model(torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]]), positions, meta))
-        for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
-            assert rel_err(chunk, hf(torch.tensor([s])).logits[0, c:]) <= 1e-4
-
-
 def test_padded_batches_stay_within_their_slack():
     """pad_groups: every sequence in exactly one batch, in step order, each batch's padded query-key pairs
     within PAD_SLACK x its own + PAD_MIN_PAIRS; sequences of one size share a batch."""
@@ -119,13 +95,22 @@ def test_padded_batches_stay_within_their_slack():
     assert len(same) == 1
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
-def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, checkpoint):
-    """Decodes and prefill chunks in the same step are attended as separate batches; every row's
-    logits still match the reference on the whole sequence."""
+# one step of decodes and prompt chunks: (prompt lengths, tokens cached before the step, the attention batches
+# expected as (sequences, most queries)); mixed: seqs 0 and 3 decode, seq 1 prefills its last 11, seq 2 all 9;
+# groups: chunks of very different lengths (93, 41 over 30 cached, 7, 5) padded in two batches, not one
+STEPS = {"mixed": ([14, 17, 9, 11], [13, 6, 0, 10], 4, [(2, 1), (2, 11)]),
+         "groups": ([93, 7, 71, 5, 40], [0, 0, 30, 0, 39], 5, [(1, 1), (2, 93), (2, 7)])}
+
+
+@pytest.mark.parametrize("arch, step", [("deepseek_v3", "mixed"), ("qwen3_moe", "mixed"), ("deepseek_v3", "groups"),
+                                        ("llama", "groups")])
+def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, step, checkpoint):
+    """Decodes and prefill chunks in the same step are attended as separate batches, and chunks of very
+    different lengths in several (a short chunk is not padded to the longest's queries and keys); every
+    row's logits still match the reference on the whole sequence."""
+    lengths, cached, seed, layout = STEPS[step]
     block_size = 4
-    seqs = random_prompts([14, 17, 9, 11], seed=4)
-    cached = [13, 6, 0, 10]  # tokens already in the KV cache before the mixed step
+    seqs = random_prompts(lengths, seed=seed)
     path = checkpoint(arch)
     model, tables = paged_model(path, [len(s) for s in seqs], block_size)
     hf = hf_model(path)
@@ -134,10 +119,9 @@ def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, c
         lens = torch.tensor([cached[i] for i in first])
         positions, meta = build_metadata(lens, lens, tables[first], block_size)
         model(torch.tensor([t for i in first for t in seqs[i][: cached[i]]]), positions, meta)
-        # one step: seq 0 and 3 decode one token each, seq 1 prefills its last 11, seq 2 all 9
         q = torch.tensor([len(s) - c for s, c in zip(seqs, cached)])
         positions, meta = build_metadata(q, torch.tensor([len(s) for s in seqs]), tables, block_size)
-        assert [b.max_q for b in meta.batches] == [1, 11]
+        assert [(b.num_seqs, b.max_q) for b in meta.batches] == layout
         logits = model.compute_logits(model(torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]]), positions, meta))
         for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
             ref = hf(torch.tensor([s])).logits[0, c:]
