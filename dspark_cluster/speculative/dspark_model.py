@@ -86,9 +86,8 @@ def resolve_draft_passes(setting, c: DSparkConfig, path="", device="auto") -> in
     is its own draft_passes on CUDA (a second block forward is small beside a GPU target's verify step), else 1
     (on the CPU it cost more than its tau gave: BENCHMARKS.md); 2 needs a drafter trained for it."""
     if setting == "auto":
-        cuda = device == "cuda" or (str(device) == "auto" and torch.cuda.is_available()) or \
-            getattr(device, "type", None) == "cuda"
-        return c.draft_passes if cuda else 1
+        kind = ("cuda" if torch.cuda.is_available() else "cpu") if str(device) == "auto" else torch.device(device).type
+        return c.draft_passes if kind == "cuda" else 1
     if int(setting) == 2 and c.draft_passes != 2:
         raise ConfigError(f"speculative.draft_passes: got 2; the drafter {path} was trained for one pass (draft_passes "
                           f"{c.draft_passes} in its config.json): use 1 or auto, or train one with "
