@@ -167,7 +167,8 @@ class Drafter:
         with self._lock:
             return {"ingested_rows": getattr(self.proposer, "ingested_rows", 0),
                     "misses": getattr(self.proposer, "misses", 0), "resyncs": getattr(self.proposer, "resyncs", 0),
-                    "sequences": len(getattr(self.proposer, "ctx", ()))}
+                    "sequences": len(getattr(self.proposer, "ctx", ())),
+                    "draft_passes": getattr(getattr(self.proposer, "c", None), "draft_passes", 1)}
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot()

@@ -242,15 +242,18 @@ def test_dspark_config_is_checked_against_the_target(checkpoint, drafters):
             "method": "dspark", "draft_model": str(draft), "draft_tensor": 2, "draft_workers": 2}})
 
 
-@pytest.mark.parametrize("draft_workers, schedule", [(1, "static"), (2, "confidence")])
-def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, checkpoint, drafters, prompts, ray_cluster):
+@pytest.mark.parametrize("draft_workers, schedule, passes", [(1, "static", 2), (2, "confidence", 1)])
+def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, passes, checkpoint, drafters, prompts,
+                                                  ray_cluster):
     """The workers send the context rows straight to the drafter actors that own the sequences; the
-    confidence schedule (profiled through the Ray workers) keeps the output too."""
+    confidence schedule (profiled through the Ray workers) keeps the output too, and so does a drafter
+    that takes two passes (speculative.draft_passes resolved in the Router's process, carried to the actors)."""
     import ray
 
     target = checkpoint("deepseek_v3")
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, GREEDY)]
-    cfg = dspark_config(drafters("deepseek_v3"), executor="ray", tensor=2)
+    drafter = drafters("deepseek_v3", draft_passes=2) if passes == 2 else drafters("deepseek_v3")
+    cfg = dspark_config(drafter, executor="ray", tensor=2, passes=passes)
     cfg["speculative"]["draft_workers"] = draft_workers
     cfg["speculative"]["schedule"] = schedule
     # the confidence schedule learns at any load (the prior gate could stay shut on a loaded machine, and
@@ -264,6 +267,7 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, check
         assert drafted > 0
         names = sorted(ray.get(llm.router.drafter_names.remote()))
         ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
+        assert all(c["draft_passes"] == passes for c in ctx)
         assert sum(c["ingested_rows"] for c in ctx) >= sum(len(p) for p in prompts)
         stats = ray.get(llm.router.stats.remote())
         assert stats["speculative"]["num_draft_tokens"] == drafted
