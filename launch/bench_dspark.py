@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 
 from dspark_cluster import LLM, SamplingParams  # noqa: E402
 from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster.speculative.dspark_model import DSparkConfig  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
 
@@ -42,9 +44,12 @@ def timed(llm, prompts, params):
 
 
 def spec_llm(args, method, draft, k):
+    sp = {"method": method, "draft_model": draft, "num_tokens": k, "schedule": "static"}
+    if method == "dspark":  # the passes the drafter was trained for, or fewer (--draft-passes)
+        own = DSparkConfig.load(Path(draft) / "config.json").draft_passes
+        sp["draft_passes"] = min(own, args.draft_passes or own)
     return LLM(args.target, config={"model": {"dtype": "float32"}, "parallel": {"threads_per_worker": args.threads},
-                                    "speculative": {"method": method, "draft_model": draft, "num_tokens": k,
-                                                                    "schedule": "static"}})
+                                    "speculative": sp})
 
 
 def main():
@@ -58,6 +63,9 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau-only", action="store_true", help="only part 1")
+    ap.add_argument("--draft-passes", type=int, default=None,
+                    help="at most this many DSpark block passes (default: each drafter's own draft_passes, whatever "
+                         "speculative.draft_passes' auto would pick on this machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = read_prompts(DEFAULT_PROMPTS)[: args.prompts]
