@@ -131,7 +131,8 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
 
 # A batch's padded attention (every sequence's queries and keys padded to the batch's longest) may cost this
 # much more than its sequences' own (slack x own + the pairs an extra batch's ops cost): a prompt chunk of 256
-# tokens padded beside one of 24 would attend 10x its keys; a verify step of mixed draft lengths stays one batch.
+# tokens padded beside one of 24 would attend 10x its keys; a few short verify rows stay together (their padding
+# costs less than another batch's ops).
 PAD_SLACK, PAD_MIN_PAIRS = 1.25, 4096
 
 
