@@ -462,9 +462,12 @@ def check_speculative(args, tmp) -> dict:
     for arch in targets:
         target = build_checkpoint(arch, os.path.join(tmp, f"spec-{arch}"))
         dspark = build_dspark(target, os.path.join(tmp, f"spec-dspark-{arch}"), layers=(0, 1))
+        dspark2 = build_dspark(target, os.path.join(tmp, f"spec-dspark2-{arch}"), layers=(0, 1), draft_passes=2)
         variants = {"draft_model_poor": spec_cfg("draft_model", poor, 4),
                     "draft_model_self": spec_cfg("draft_model", target, 4),
-                    "dspark_static": spec_cfg("dspark", dspark, 3)}
+                    "dspark_static": spec_cfg("dspark", dspark, 3),
+                    # a drafter trained for a second block pass, served with it (auto would too on CUDA)
+                    "dspark_two_passes": {**spec_cfg("dspark", dspark2, 3), "draft_passes": 2}}
         if not small:
             variants["dspark_confidence"] = spec_cfg("dspark", dspark, 3, "confidence")
         for dt in dtypes:
