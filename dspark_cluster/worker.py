@@ -57,19 +57,20 @@ class WorkerConfig:
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
         sp = cfg.speculative
-        export, window = (), 0
+        export, window, passes = (), 0, 1
         if sp.enabled and sp.method == "dspark":
             from .speculative.dspark_model import DSparkConfig, context_window_of, draft_passes_of
 
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
             export, window = tuple(c.target_layer_ids), context_window_of(sp.context_window, c)
+            passes = draft_passes_of(cfg)
         return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
                    num_redundant_experts=cfg.eplb.num_redundant_experts,
                    hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,
                    export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window,
                    draft_model=str(sp.draft_model) if sp.on_target else "",
                    num_draft_tokens=sp.num_tokens if sp.on_target else 0,
-                   draft_passes=draft_passes_of(cfg) if sp.enabled and sp.method == "dspark" else 1)
+                   draft_passes=passes)
 
 
 def _param_bytes(model) -> tuple[int, int]:

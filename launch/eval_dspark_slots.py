@@ -34,16 +34,16 @@ from dspark_cluster.workload import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 from launch.train_dspark import Teacher  # noqa: E402
 
 
-def continuations(target: str, prompts, temperature: float, max_tokens: int) -> list[list[int]]:
+def continuations(target: str, prompts, temperature: float, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt token ids as the engine read them, the continuation's token ids) per prompt."""
     llm = LLM(target, config={"model": {"dtype": "float32"}})
     try:
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None,
                                  ignore_eos=True) for i in range(len(prompts))]
         outs = llm.generate(prompts, params)
-        ids = [llm.tokenizer.encode(p) for p in prompts]
     finally:
         llm.shutdown()
-    return [(p, o.token_ids) for p, o in zip(ids, outs)]
+    return [(list(o.prompt_token_ids), o.token_ids) for o in outs]
 
 
 @torch.no_grad()

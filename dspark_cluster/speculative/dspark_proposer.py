@@ -86,7 +86,7 @@ class DSparkProposer:
         self.device = torch.device(device)
         self.model = load_drafter(path, embed, lm_head, self.device)
         self.model.c.draft_passes = c.draft_passes
-        self.c = c
+        self.c = self.model.c  # one config: what drafting and calibration's forward both read
         self.layer_ids = tuple(c.target_layer_ids)
         self.ctx: dict[int, _Context] = {}
         # recently freed sequences: with executor ray a step's rows (from a worker) may arrive after
