@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -112,6 +113,29 @@ def check_resources(cfg: Config, ray) -> str:
 
         check_drafter_resources(cfg, ray)
     return device
+
+
+def resolve_on_cluster(cfg: Config, ray) -> Config:
+    """`cfg` with speculative.draft_passes `auto` resolved for the devices the drafting runs on in this Ray
+    cluster (the target's workers for a drafter on the target, the drafter group's otherwise), not for the
+    process resolving it: a Router on a head node without a GPU serves GPU workers, whose drafters take the
+    second pass (BENCHMARKS.md "A second block pass"). Everything that reads draft_passes (the planner, the
+    workers, the drafter actors, the calibrator) reads it from the config this returns."""
+    from dspark_cluster.speculative.dspark_model import DSparkConfig, resolve_draft_passes
+
+    sp = cfg.speculative
+    if not (sp.enabled and sp.method == "dspark" and sp.draft_passes == "auto"):
+        return cfg
+    if sp.on_target:
+        device = check_resources(cfg, ray)
+    else:
+        from .drafter_group import check_drafter_resources
+
+        device = check_drafter_resources(cfg, ray)
+    c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
+    out = cfg.model_copy(deep=True)
+    out.speculative.draft_passes = resolve_draft_passes("auto", c, sp.draft_model, device)
+    return out
 
 
 def num_actors(cfg: Config) -> int:

@@ -177,8 +177,9 @@ class SpeculativeConfig(_Section):
     # `context_window`, else 512 (the rows online calibration trains each round on)
     context_window: Union[Literal["auto"], int] = "auto"
     # DSpark: block forwards a proposal takes. 2: slots 1.. drafted from a second forward that holds slot 0's
-    # draft (a drafter trained for it: draft_passes 2 in its config.json). auto: the drafter's own where CUDA is
-    # available; 1 without (on the CPU the second forward costs more than its tau gives: BENCHMARKS.md)
+    # draft (a drafter trained for it: draft_passes 2 in its config.json). auto: the drafter's own where it drafts
+    # on CUDA (on Ray: the devices the cluster gives the drafting, whatever the Router's node has); 1 on the CPU
+    # (there the second forward costs more than its tau gives: BENCHMARKS.md)
     draft_passes: Literal["auto", 1, 2] = "auto"
     # where the drafter runs. target: on the target's driver rank (of each data-parallel group), on its
     # device, drafting for the next step right after a step's verification, in the same call: no drafter

@@ -347,6 +347,33 @@ def test_drafter_resources_are_checked_beside_the_target(checkpoint):
         check_drafter_resources(cfg(4, 2, tensor=2), FakeRay([{"CPU": 5, "GPU": 4}]))
 
 
+def test_draft_passes_auto_resolves_for_the_devices_that_draft_on_the_cluster():
+    """A Router on a head node without a GPU resolves speculative.draft_passes auto for the devices the
+    drafting runs on (the bundled drafter was trained for two passes, auto takes them on CUDA), not for its
+    own process; the planner, workers and drafter actors all read the resolved value."""
+    from actors.cluster import resolve_on_cluster
+    from dspark_cluster import load_config
+    from dspark_cluster.speculative.dspark_model import draft_passes_of
+    from dspark_cluster.worker import WorkerConfig
+
+    def cfg(**sp):
+        return load_config({"parallel": {"executor": "ray"},
+                            "speculative": {"method": "dspark", "draft_model": "tiny-dspark", **sp}})
+
+    gpu_workers = FakeRay([{"CPU": 4}, {"CPU": 8, "GPU": 2}])  # the head: no GPU
+    if not torch.cuda.is_available():  # what this process alone would resolve
+        assert draft_passes_of(cfg()) == 1
+    on_target = resolve_on_cluster(cfg(), gpu_workers)
+    assert on_target.speculative.draft_passes == 2 and WorkerConfig.of(on_target).draft_passes == 2
+    assert draft_passes_of(resolve_on_cluster(cfg(placement="group"), gpu_workers)) == 2  # a GPU for the drafter
+    # two drafters and the target need three GPUs: the drafters run on CPUs, one pass
+    assert draft_passes_of(resolve_on_cluster(cfg(placement="group", draft_workers=2), gpu_workers)) == 1
+    assert draft_passes_of(resolve_on_cluster(cfg(), FakeRay([{"CPU": 8}]))) == 1
+    assert resolve_on_cluster(cfg(draft_passes=1), gpu_workers).speculative.draft_passes == 1  # as asked
+    plain = load_config({"parallel": {"executor": "ray"}})
+    assert resolve_on_cluster(plain, gpu_workers) is plain
+
+
 def test_tensor_parallel_drafter_group(checkpoint, ray_cluster):
     """Two TP groups of two ranks in one drafter world: process-group facts, half of every split
     weight per rank, proposals equal to the whole model's, and identical tokens on both ranks of a
