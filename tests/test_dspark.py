@@ -105,6 +105,31 @@ def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint
     assert 8 not in prop.ctx
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_batch_of_blocks_drafts_as_each_block_alone(passes, checkpoint, drafters):
+    """Blocks of sequences with contexts of different lengths, some past the window, drafted together (the
+    context keys/values padded into one batch, made once for both passes) give each sequence's drafts and
+    confidences as drafted alone (views of its own rows)."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    target = checkpoint("qwen3_moe")
+    prop = DSparkProposer(drafters("qwen3_moe", draft_passes=passes), str(target), load_spec(str(target), "float32"),
+                          num_tokens=4, context_window=8, draft_passes=passes)
+    torch.manual_seed(1)
+    reqs = []
+    for sid, n in ((1, 5), (2, 11), (3, 16), (4, 8)):
+        prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), torch.randn(n, 2 * 64)))
+        reqs.append(DraftRequest(sid, torch.randint(2, 160, (n + 1,)).tolist(), 4))
+    _, (tokens, confs, _) = prop.draft(reqs)
+    for b, r in enumerate(reqs):
+        _, (alone, conf, _) = prop.draft([r])
+        assert tokens[b].tolist() == alone[0].tolist()
+        torch.testing.assert_close(confs[b], conf[0], atol=1e-5, rtol=1e-5)
+
+
 def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):
     """`forward_train(..., second_pass)`: a second-pass block holds the token after the anchor at slot 1
     (train_dspark.py --second-pass-share): its later slots read that token through the backbone, where a

@@ -144,9 +144,11 @@ class DSparkLayer(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(ctx).view(shape)), *self.rope(positions))
         return k, self.v_proj(ctx).view(shape)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask):
-        """x [B, Q, d] block rows at `positions` [B, Q]; ctx_k/ctx_v [B, C, heads, hd]; mask [B, Q, C + Q]
-        bool (True: may attend) or None (everything)."""
+    def forward(self, x, positions, ctx_k, ctx_v, mask, in_place: bool = False):
+        """x [B, Q, d] block rows at `positions` [B, Q]; ctx_k/ctx_v [B, C, heads, hd], the context's keys and
+        values (the block's are appended to a copy); or with `in_place` [B, C + Q, heads, hd], whose last Q rows
+        the block's are written into (serving: no copy of the context per layer); mask [B, Q, C + Q] bool
+        (True: may attend) or None (everything)."""
         B, Q, _ = x.shape
         H, D = self.c.num_heads, self.c.head_dim
         h = self.input_norm(x)
@@ -154,8 +156,13 @@ class DSparkLayer(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
         v = self.v_proj(h).view(B, Q, H, D)
-        k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
-        v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
+        if in_place:
+            ctx_k[:, -Q:].copy_(k)
+            ctx_v[:, -Q:].copy_(v)
+            k, v = ctx_k.transpose(1, 2), ctx_v.transpose(1, 2)
+        else:
+            k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
+            v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
                                               attn_mask=None if mask is None else mask[:, None])
         x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, H * D))

@@ -169,11 +169,13 @@ class DSparkProposer:
             off = 0
             for st, s0, h in chunks:
                 n, end = h.shape[0], s0 + h.shape[0]
+                # capacity for a block's rows past the context: a block forward writes its keys/values there
+                need = end + self.c.block_size
                 if li >= len(st.k):
-                    st.k.append(k.new_empty((max(64, 2 * end),) + k.shape[1:]))
-                    st.v.append(v.new_empty((max(64, 2 * end),) + v.shape[1:]))
-                if st.k[li].shape[0] < end:
-                    grow = lambda t: torch.cat([t, t.new_empty((max(end, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
+                    st.k.append(k.new_empty((max(64, 2 * end, need),) + k.shape[1:]))
+                    st.v.append(v.new_empty((max(64, 2 * end, need),) + v.shape[1:]))
+                if st.k[li].shape[0] < need:
+                    grow = lambda t: torch.cat([t, t.new_empty((max(need, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
                     st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
                 st.k[li][s0:end] = k[off : off + n]
                 st.v[li][s0:end] = v[off : off + n]
@@ -250,36 +252,50 @@ class DSparkProposer:
         return {"param_bytes": params + tables, "shared_table_bytes": tables, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
-    def block_forward(self, requests, second=None):
-        """One backbone forward over a block per request (context ready): returns the final normed
-        rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
-        fewer mask slots would change what the trained slots see. second [B]: slot 1's tokens (a
-        second pass: the drafts at slot 0), or None (a mask)."""
-        m, dev, S = self.model, self.device, self.c.block_size
+    def block_context(self, requests) -> tuple:
+        """What a block forward of these requests reads, made once per proposal (a second pass reads it
+        again): (positions of the block's slots [B, S], mask [B, S, C + S] or None, per drafter layer the
+        keys and values [B, C + S, heads, hd]: the latest `window` context rows before each anchor, then S
+        rows the block's own are written into by each layer). At batch 1 views of the sequence's store,
+        whose capacity keeps S rows past its length for that (no copy); above it one padded copy."""
+        dev, S = self.device, self.c.block_size
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
         lens = [r.length - 1 for r in requests]  # context length = the anchor's position
         los = [max(0, n - self.window) for n in lens]  # the window: context rows lo .. len - 1
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
-        x = m.block_input(torch.tensor([r.anchor for r in requests], device=dev), S, second)
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
+        states = [self.ctx[r.seq_id] for r in requests]
+        layers = range(len(self.model.layers))
+        if B == 1:
+            st, lo, n = states[0], los[0], lens[0]
+            return qpos, None, [(st.k[li][None, lo:n + S], st.v[li][None, lo:n + S]) for li in layers]
         mask = None
         if min(widths) != C:  # padded context: hide the padding
             see = torch.arange(C, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
             mask = torch.cat([see, see.new_ones(B, S)], dim=1)[:, None, :].expand(B, S, C + S)
-        for li, layer in enumerate(m.layers):
-            if B == 1:
-                st = self.ctx[requests[0].seq_id]
-                ck, cv = st.k[li][None, los[0] : lens[0]], st.v[li][None, los[0] : lens[0]]
-            else:
-                ck = x.new_zeros(B, C, self.c.num_heads, self.c.head_dim)
-                cv = torch.zeros_like(ck)
-                for b, r in enumerate(requests):
-                    st = self.ctx[r.seq_id]
-                    ck[b, : widths[b]] = st.k[li][los[b] : lens[b]]
-                    cv[b, : widths[b]] = st.v[li][los[b] : lens[b]]
-            x = layer(x, qpos, ck, cv, mask)
+        kv = []
+        for li in layers:
+            ck = states[0].k[li].new_zeros(B, C + S, *states[0].k[li].shape[1:])
+            cv = torch.zeros_like(ck)
+            for b, (st, lo, n) in enumerate(zip(states, los, lens)):
+                ck[b, : n - lo] = st.k[li][lo:n]
+                cv[b, : n - lo] = st.v[li][lo:n]
+            kv.append((ck, cv))
+        return qpos, mask, kv
+
+    def block_forward(self, requests, second=None, context=None):
+        """One backbone forward over a block per request (context ready): returns the final normed
+        rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
+        fewer mask slots would change what the trained slots see. second [B]: slot 1's tokens (a
+        second pass: the drafts at slot 0), or None (a mask). context: `block_context(requests)`, when
+        the caller has it already."""
+        m = self.model
+        qpos, mask, kv = context if context is not None else self.block_context(requests)
+        x = m.block_input(torch.tensor([r.anchor for r in requests], device=self.device), self.c.block_size, second)
+        for layer, (ck, cv) in zip(m.layers, kv):
+            x = layer(x, qpos, ck, cv, mask, in_place=True)
         return m.head(x)
 
     @torch.inference_mode()
@@ -316,7 +332,8 @@ class DSparkProposer:
             return [], ()
         reqs = [requests[i] for i in active]
         m, dev = self.model, self.device
-        hn, base = self.block_forward(reqs)
+        context = self.block_context(reqs)
+        hn, base = self.block_forward(reqs, context=context)
         w1, w2 = m.markov_factors()
         gates = m.markov_gates(hn)  # [B, block, r] or None
         temp = torch.tensor([r.temperature for r in reqs], device=dev)
@@ -330,7 +347,7 @@ class DSparkProposer:
         tokens, zs, laws, es = [], [], [], []
         for i in range(K):  # left to right through the Markov head (the backbone ran once, or twice)
             if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
-                hn2, base2 = self.block_forward(reqs, tokens[0])
+                hn2, base2 = self.block_forward(reqs, tokens[0], context)
                 hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
                 gates = m.markov_gates(hn)
             e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])

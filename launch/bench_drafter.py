@@ -1,0 +1,72 @@
+"""The DSpark drafter's proposal alone, in process: the time of one `DSparkProposer.draft` by batch size and
+block passes (context rows ingested from random target states, so no target runs), one thread.
+
+    python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--json OUT]
+    python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
+        -- launch/bench_drafter.py --json {json}
+
+Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bundled tiny-dspark (or
+--drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones. `launch/bench_dspark.py` has
+the drafter's cost inside a serving engine at batch 1 (its c); this one isolates the proposal by batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# after PYTHONPATH: `launch/ab.py --script-here` runs this script on older trees
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dspark_cluster.config import ASSETS_DIR  # noqa: E402
+from dspark_cluster.model.spec import load_spec  # noqa: E402
+from dspark_cluster.speculative.dspark_proposer import DSparkProposer  # noqa: E402
+from dspark_cluster.speculative.proposers import DraftRequest  # noqa: E402
+from dspark_cluster.speculative.records import ContextRows  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--drafter", default=str(ASSETS_DIR / "tiny-dspark"))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--passes", default="1,2")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    spec = load_spec(args.target, "float32")
+    res = {}
+    for passes in (int(p) for p in args.passes.split(",")):
+        prop = DSparkProposer(args.drafter, args.target, spec, num_tokens=args.k, draft_passes=passes)
+        g = torch.Generator().manual_seed(0)
+        for B in (int(b) for b in args.batches.split(",")):
+            reqs = []
+            for i in range(B):
+                sid, n = 1000 * B + i, int(torch.randint(40, 400, (1,), generator=g))
+                rows = torch.randn(n, prop.model.fc.in_features, generator=g)
+                prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), rows))
+                reqs.append(DraftRequest(sid, torch.randint(2, spec.vocab_size, (n + 1,), generator=g).tolist(), args.k))
+            for _ in range(5):
+                prop.draft(reqs)
+            ts = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                prop.draft(reqs)
+                ts.append(time.perf_counter() - t)
+            res[f"b{B}_p{passes}"] = {"draft_ms": statistics.median(ts) * 1e3}
+            print(f"batch {B}, {passes} pass(es): {res[f'b{B}_p{passes}']['draft_ms']:.3f} ms a proposal", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
