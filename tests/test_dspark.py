@@ -128,6 +128,12 @@ def test_a_batch_of_blocks_drafts_as_each_block_alone(passes, checkpoint, drafte
         _, (alone, conf, _) = prop.draft([r])
         assert tokens[b].tolist() == alone[0].tolist()
         torch.testing.assert_close(confs[b], conf[0], atol=1e-5, rtol=1e-5)
+    # a block anchored before rows the drafter holds (an older request) leaves those rows as they were
+    st = prop.ctx[3]
+    held = [t[:st.kv_length].clone() for t in st.k + st.v]
+    prop.draft([DraftRequest(3, reqs[2].token_ids[:10], 4)])
+    assert all(torch.equal(a, t[:st.kv_length]) for a, t in zip(held, st.k + st.v))
+    assert prop.draft([reqs[2]])[1][0][0].tolist() == tokens[2].tolist()
 
 
 def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):

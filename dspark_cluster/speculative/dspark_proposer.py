@@ -257,7 +257,8 @@ class DSparkProposer:
         again): (positions of the block's slots [B, S], mask [B, S, C + S] or None, per drafter layer the
         keys and values [B, C + S, heads, hd]: the latest `window` context rows before each anchor, then S
         rows the block's own are written into by each layer). At batch 1 views of the sequence's store,
-        whose capacity keeps S rows past its length for that (no copy); above it one padded copy."""
+        whose capacity keeps S rows past its length for that (no copy), where it holds no row past the
+        anchor; else one padded copy."""
         dev, S = self.device, self.c.block_size
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
@@ -268,7 +269,7 @@ class DSparkProposer:
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         states = [self.ctx[r.seq_id] for r in requests]
         layers = range(len(self.model.layers))
-        if B == 1:
+        if B == 1 and states[0].kv_length == lens[0]:  # (rows past the anchor, where held, stay unwritten)
             st, lo, n = states[0], los[0], lens[0]
             return qpos, None, [(st.k[li][None, lo:n + S], st.v[li][None, lo:n + S]) for li in layers]
         mask = None
