@@ -56,12 +56,6 @@ class Router:
         from .metrics import RayMetrics
 
         cfg = load_config(self.cfg)
-        if cfg.parallel.executor == "ray":  # `auto` for the cluster's devices, not this process's
-            import ray
-
-            from .cluster import resolve_on_cluster
-
-            cfg = resolve_on_cluster(cfg, ray)
         self.core = AsyncEngine(cfg, metrics=RayMetrics(os.path.basename(cfg.model.path.rstrip("/"))))
         return self.core.stats()
 

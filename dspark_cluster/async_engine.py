@@ -60,10 +60,10 @@ def _ends(item) -> bool:
 
 class AsyncEngine:
     def __init__(self, cfg: Config, metrics=None, step_thread: bool = True):
-        self.cfg = cfg
         self.metrics = metrics  # optional: metrics.EngineMetrics (the Router's Ray metrics)
         self.core = EngineCore(LLMEngine(cfg), metrics)
         self.engine = self.core.engine
+        self.cfg = self.engine.cfg  # its `auto` settings resolved where the executor runs the work
         self.tokenizer = self.engine.tokenizer
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = threading.Event()

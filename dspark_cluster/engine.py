@@ -26,7 +26,7 @@ from .balancer import ExpertBalancer
 from .config import Config
 from .cost import CostMeter
 from .errors import EngineError, RequestError, StepError, WorkerError
-from .executor import make_executor
+from .executor import make_executor, resolve_for_executor
 from .heap import freeze_heap, unfreeze_heap
 from .input_processor import InputProcessor, load_tokenizer
 from .kv_cache import BlockManager
@@ -103,7 +103,7 @@ def _rollback(scheds: list) -> None:
 
 class LLMEngine:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        cfg = self.cfg = resolve_for_executor(cfg)  # e.g. draft_passes auto for the devices that draft
         self.spec: ModelSpec = load_spec(cfg.model.path, cfg.model.dtype)
         self.executor = make_executor(cfg, self.spec)
         sc = cfg.scheduler

@@ -95,6 +95,15 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
             "drafter_profile": report.get("drafter_profile")}
 
 
+def resolve_for_executor(cfg: Config) -> Config:
+    """`cfg` with its `auto` settings resolved for where the executor runs the work: in process as it is (they
+    resolve for this process's devices); on a backend, by its `resolve_config` (Ray: for the devices the cluster
+    gives the target's workers and the drafters, which a Router on a head node without a GPU does not have)."""
+    if cfg.parallel.executor == "local":
+        return cfg
+    return backend(cfg.parallel.executor).resolve_config(cfg)
+
+
 def make_executor(cfg: Config, spec: ModelSpec):
     """The executor `parallel.executor` names."""
     if cfg.parallel.executor == "local":

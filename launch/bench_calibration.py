@@ -2,7 +2,7 @@
 """Online drafter calibration under a domain shift (issue 15).
 
     python launch/bench_calibration.py [--requests 480] [--max-tokens 64] [--batch 8] [--interval 15]
-        [--out FILE] [--plot FILE]
+        [--draft-passes auto|1|2] [--out FILE] [--plot FILE]
 
 The bundled tiny-dspark was trained on continuations of the standard library's modules. The stream
 here is code it never saw: test functions from the installed packages' test suites (300 characters
@@ -66,7 +66,7 @@ def config(args, calibrate: bool) -> dict:
             "parallel": {"executor": "ray", "threads_per_worker": 1},
             "scheduler": {"max_num_seqs": args.batch},
             "speculative": {"method": "dspark", "draft_model": str(ASSETS_DIR / "tiny-dspark"), "num_tokens": 4,
-                            "schedule": "static",
+                            "schedule": "static", "draft_passes": args.draft_passes,
                             "calibration": {"enabled": calibrate, "interval_s": args.interval, "min_rounds": 256,
                                             "steps_per_update": 40, "batch_rounds": 64, "margin": 0.02,
                                             "learning_rate": args.lr, "window_rounds": 400}}}
@@ -142,6 +142,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--interval", type=float, default=15.0)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v), choices=["auto", 1, 2],
+                    help="speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--out", default="runs/bench_calibration.json")
     ap.add_argument("--plot", default="docs/img/calibration_tau.png")
     args = ap.parse_args()
@@ -157,7 +159,7 @@ def main() -> None:
               f"{time.perf_counter() - t:.0f} s", flush=True)
     ray.shutdown()
     off, on = res[False], res[True]
-    summary = {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch,
+    summary = {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch, "draft_passes": args.draft_passes,
                "interval_s": args.interval, "lr": args.lr, "duration_s": {"off": off["duration_s"], "on": on["duration_s"]}}
     for share in (0.0, 1 / 3, 2 / 3):
         a, b = tau_after(off, share), tau_after(on, share)

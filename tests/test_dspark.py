@@ -40,6 +40,7 @@ def drafters(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("markov_gate,passes", [(False, 1), (True, 1), (True, 2)])
+@torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)
 def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint, drafters):
     """Context ingested row by row, then one block, gives the logits and confidences of the dense
     masked training forward at the same anchor (RoPE positions, masks and Markov bias, gated by the
@@ -120,9 +121,12 @@ def test_a_batch_of_blocks_drafts_as_each_block_alone(passes, checkpoint, drafte
                           num_tokens=4, context_window=8, draft_passes=passes)
     torch.manual_seed(1)
     reqs = []
-    for sid, n in ((1, 5), (2, 11), (3, 16), (4, 8)):
+    for sid, n in ((1, 5), (2, 11), (3, 16), (4, 8), (5, 40)):
         prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), torch.randn(n, 2 * 64)))
         reqs.append(DraftRequest(sid, torch.randint(2, 160, (n + 1,)).tolist(), 4))
+    prop.draft([reqs[-1]])  # sequence 5's store is made (40 rows' keys/values), then 200 rows come in one chunk
+    prop.ingest(ContextRows(torch.tensor([5]), torch.tensor([40]), torch.tensor([200]), torch.randn(200, 2 * 64)))
+    reqs[-1] = DraftRequest(5, torch.randint(2, 160, (241,)).tolist(), 4)
     _, (tokens, confs, _) = prop.draft(reqs)
     for b, r in enumerate(reqs):
         _, (alone, conf, _) = prop.draft([r])
@@ -136,6 +140,7 @@ def test_a_batch_of_blocks_drafts_as_each_block_alone(passes, checkpoint, drafte
     assert prop.draft([reqs[2]])[1][0][0].tolist() == tokens[2].tolist()
 
 
+@torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)
 def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):
     """`forward_train(..., second_pass)`: a second-pass block holds the token after the anchor at slot 1
     (train_dspark.py --second-pass-share): its later slots read that token through the backbone, where a

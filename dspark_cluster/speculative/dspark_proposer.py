@@ -252,13 +252,14 @@ class DSparkProposer:
         return {"param_bytes": params + tables, "shared_table_bytes": tables, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
+    @torch.inference_mode()  # it writes into the store, made in inference mode
     def block_context(self, requests) -> tuple:
         """What a block forward of these requests reads, made once per proposal (a second pass reads it
-        again): (positions of the block's slots [B, S], mask [B, S, C + S] or None, per drafter layer the
-        keys and values [B, C + S, heads, hd]: the latest `window` context rows before each anchor, then S
-        rows the block's own are written into by each layer). At batch 1 views of the sequence's store,
-        whose capacity keeps S rows past its length for that (no copy), where it holds no row past the
-        anchor; else one padded copy."""
+        again): (positions of the block's slots [B, S], mask [B, S, C + S] or None, layer index -> that
+        drafter layer's keys and values [B, C + S, heads, hd]: the latest `window` context rows before each
+        anchor, then S rows the layer writes the block's own into). At batch 1 views of the sequence's
+        store, whose capacity keeps S rows past its length for that (no copy), where it holds no row past
+        the anchor; else a padded copy (made once for two passes, else as each layer runs)."""
         dev, S = self.device, self.c.block_size
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
@@ -269,23 +270,28 @@ class DSparkProposer:
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         states = [self.ctx[r.seq_id] for r in requests]
         layers = range(len(self.model.layers))
-        if B == 1 and states[0].kv_length == lens[0]:  # (rows past the anchor, where held, stay unwritten)
-            st, lo, n = states[0], los[0], lens[0]
-            return qpos, None, [(st.k[li][None, lo:n + S], st.v[li][None, lo:n + S]) for li in layers]
+        st, lo, n = states[0], los[0], lens[0]
+        # (rows past the anchor, where held, stay unwritten; _materialize keeps the S rows' capacity)
+        if B == 1 and st.kv_length == n and st.k[0].shape[0] >= n + S:
+            return qpos, None, [(st.k[li][None, lo:n + S], st.v[li][None, lo:n + S]) for li in layers].__getitem__
         mask = None
         if min(widths) != C:  # padded context: hide the padding
             see = torch.arange(C, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
             mask = torch.cat([see, see.new_ones(B, S)], dim=1)[:, None, :].expand(B, S, C + S)
-        kv = []
-        for li in layers:
+
+        def padded(li):
             ck = states[0].k[li].new_zeros(B, C + S, *states[0].k[li].shape[1:])
             cv = torch.zeros_like(ck)
             for b, (st, lo, n) in enumerate(zip(states, los, lens)):
                 ck[b, : n - lo] = st.k[li][lo:n]
                 cv[b, : n - lo] = st.v[li][lo:n]
-            kv.append((ck, cv))
-        return qpos, mask, kv
+            return ck, cv
 
+        if self.c.draft_passes == 2:  # both passes read them: made once
+            return qpos, mask, [padded(li) for li in layers].__getitem__
+        return qpos, mask, padded  # made as each layer runs: one layer's copies alive at a time
+
+    @torch.inference_mode()
     def block_forward(self, requests, second=None, context=None):
         """One backbone forward over a block per request (context ready): returns the final normed
         rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
@@ -295,8 +301,8 @@ class DSparkProposer:
         m = self.model
         qpos, mask, kv = context if context is not None else self.block_context(requests)
         x = m.block_input(torch.tensor([r.anchor for r in requests], device=self.device), self.c.block_size, second)
-        for layer, (ck, cv) in zip(m.layers, kv):
-            x = layer(x, qpos, ck, cv, mask, in_place=True)
+        for li, layer in enumerate(m.layers):
+            x = layer(x, qpos, *kv(li), mask, in_place=True)
         return m.head(x)
 
     @torch.inference_mode()
