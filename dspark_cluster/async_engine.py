@@ -387,6 +387,7 @@ class AsyncEngine:
         duration = time.monotonic() - start
         cost = await asyncio.to_thread(self.engine.cost_ledger, usage, len(requests), True)
         return {
+            "config": self.cfg.to_dict(),  # as the engine runs it: `auto` settings resolved where the work runs
             "duration_s": duration,
             "cost": cost,
             "requests": list(self.finished),

@@ -278,12 +278,13 @@ def test_dspark_config_is_checked_against_the_target(checkpoint, drafters):
             "method": "dspark", "draft_model": str(draft), "draft_tensor": 2, "draft_workers": 2}})
 
 
-@pytest.mark.parametrize("draft_workers, schedule, passes", [(1, "static", 2), (2, "confidence", 1)])
+@pytest.mark.parametrize("draft_workers, schedule, passes", [(1, "static", 2), (2, "confidence", "auto")])
 def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, passes, checkpoint, drafters, prompts,
                                                   ray_cluster):
     """The workers send the context rows straight to the drafter actors that own the sequences; the
     confidence schedule (profiled through the Ray workers) keeps the output too, and so does a drafter
-    that takes two passes (speculative.draft_passes resolved in the Router's process, carried to the actors)."""
+    that takes two passes (speculative.draft_passes resolved in the Router's process, carried to the actors;
+    auto resolved for the cluster's devices: CPUs here, one pass)."""
     import ray
 
     target = checkpoint("deepseek_v3")
@@ -303,7 +304,7 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, passe
         assert drafted > 0
         names = sorted(ray.get(llm.router.drafter_names.remote()))
         ctx = [ray.get(ray.get_actor(n).context_stats.remote()) for n in names]
-        assert all(c["draft_passes"] == passes for c in ctx)
+        assert all(c["draft_passes"] == (1 if passes == "auto" else passes) for c in ctx)
         assert sum(c["ingested_rows"] for c in ctx) >= sum(len(p) for p in prompts)
         stats = ray.get(llm.router.stats.remote())
         assert stats["speculative"]["num_draft_tokens"] == drafted
