@@ -54,6 +54,6 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
         summary["speculative"] = raw["speculative"]
     experts = raw.get("experts")
     add_expert_summary(summary, experts, cfg.parallel.world_size)
-    report = {"config": raw.get("config") or cfg.to_dict(), "summary": summary, "cost": raw["cost"], "requests": raw["requests"],
-              "steps": raw["steps"], "experts": experts}
+    report = {"config": raw.get("config") or cfg.to_dict(), "summary": summary, "cost": raw["cost"],
+              "requests": raw["requests"], "steps": raw["steps"], "experts": experts}
     return save_report(report, cfg, "run")

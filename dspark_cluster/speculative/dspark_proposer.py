@@ -175,7 +175,8 @@ class DSparkProposer:
                     st.k.append(k.new_empty((max(64, 2 * end, need),) + k.shape[1:]))
                     st.v.append(v.new_empty((max(64, 2 * end, need),) + v.shape[1:]))
                 if st.k[li].shape[0] < need:
-                    grow = lambda t: torch.cat([t, t.new_empty((max(need, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])  # noqa: E731
+                    def grow(t):
+                        return torch.cat([t, t.new_empty((max(need, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])
                     st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
                 st.k[li][s0:end] = k[off : off + n]
                 st.v[li][s0:end] = v[off : off + n]
@@ -270,10 +271,11 @@ class DSparkProposer:
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         states = [self.ctx[r.seq_id] for r in requests]
         layers = range(len(self.model.layers))
-        st, lo, n = states[0], los[0], lens[0]
+        first, lo0, n0 = states[0], los[0], lens[0]
         # (rows past the anchor, where held, stay unwritten; _materialize keeps the S rows' capacity)
-        if B == 1 and st.kv_length == n and st.k[0].shape[0] >= n + S:
-            return qpos, None, [(st.k[li][None, lo:n + S], st.v[li][None, lo:n + S]) for li in layers].__getitem__
+        if B == 1 and first.kv_length == n0 and first.k[0].shape[0] >= n0 + S:
+            views = [(first.k[li][None, lo0:n0 + S], first.v[li][None, lo0:n0 + S]) for li in layers]
+            return qpos, None, views.__getitem__
         mask = None
         if min(widths) != C:  # padded context: hide the padding
             see = torch.arange(C, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
