@@ -1,12 +1,13 @@
 """The DSpark drafter's proposal alone, in process: the time of one `DSparkProposer.draft` by batch size and
 block passes (context rows ingested from random target states, so no target runs), one thread.
 
-    python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--json OUT]
+    python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--json OUT]
     python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
         -- launch/bench_drafter.py --json {json}
 
 Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bundled tiny-dspark (or
---drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones. `launch/bench_dspark.py` has
+--drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
+device's end). `launch/bench_dspark.py` has
 the drafter's cost inside a serving engine at batch 1 (its c); this one isolates the proposal by batch.
 """
 
@@ -39,27 +40,32 @@ def main() -> None:
     ap.add_argument("--passes", default="1,2")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--device", default="auto", help="auto: cuda where available, else cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = load_spec(args.target, "float32")
-    res = {}
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    res = {"device": device}
     for passes in (int(p) for p in args.passes.split(",")):
-        prop = DSparkProposer(args.drafter, args.target, spec, num_tokens=args.k, draft_passes=passes)
+        prop = DSparkProposer(args.drafter, args.target, spec, device=device, num_tokens=args.k, draft_passes=passes)
         g = torch.Generator().manual_seed(0)
         for B in (int(b) for b in args.batches.split(",")):
             reqs = []
             for i in range(B):
                 sid, n = 1000 * B + i, int(torch.randint(40, 400, (1,), generator=g))
-                rows = torch.randn(n, prop.model.fc.in_features, generator=g)
+                rows = torch.randn(n, prop.model.fc.in_features, generator=g).to(device)
                 prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), rows))
                 reqs.append(DraftRequest(sid, torch.randint(2, spec.vocab_size, (n + 1,), generator=g).tolist(), args.k))
+            sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
             for _ in range(5):
                 prop.draft(reqs)
             ts = []
             for _ in range(args.iters):
+                sync()
                 t = time.perf_counter()
                 prop.draft(reqs)
+                sync()
                 ts.append(time.perf_counter() - t)
             res[f"b{B}_p{passes}"] = {"draft_ms": statistics.median(ts) * 1e3}
             print(f"batch {B}, {passes} pass(es): {res[f'b{B}_p{passes}']['draft_ms']:.3f} ms a proposal", flush=True)
