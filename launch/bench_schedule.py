@@ -3,7 +3,7 @@
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
         [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--no-prefix-cache] [--out FILE]
         [--plot-dir DIR] [--calib-requests 512] [--calib-stream cycle|cut] [--calibration isotonic]
-        [--calib-compare sts,platt,platt_log_loss]
+        [--calib-compare sts,platt,platt_log_loss] [--draft-passes auto|1|2]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
 policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
@@ -61,6 +61,8 @@ def config(args, method=None, k=0, schedule="static") -> dict:
     if method is not None:
         cfg["speculative"] = {"method": method, "draft_model": str(ASSETS_DIR / DRAFTERS[method]), "num_tokens": k,
                               "schedule": schedule}
+        if method == "dspark":
+            cfg["speculative"]["draft_passes"] = args.draft_passes
     return cfg
 
 
@@ -115,6 +117,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v), choices=["auto", 1, 2],
+                    help="DSpark's speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
                          "DSpark request recomputes up to its context window: this isolates speculation)")
