@@ -59,11 +59,11 @@ class WorkerConfig:
         sp = cfg.speculative
         export, window, passes = (), 0, 1
         if sp.enabled and sp.method == "dspark":
-            from .speculative.dspark_model import DSparkConfig, context_window_of, draft_passes_of
+            from .speculative.dspark_model import DSparkConfig, context_window_of, resolve_draft_passes
 
             c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
             export, window = tuple(c.target_layer_ids), context_window_of(sp.context_window, c)
-            passes = draft_passes_of(cfg)
+            passes = resolve_draft_passes(sp.draft_passes, c, sp.draft_model, cfg.parallel.device)
         return cls(model=cfg.model, parallel=cfg.parallel, scheduler=cfg.scheduler,
                    num_redundant_experts=cfg.eplb.num_redundant_experts,
                    hot_experts=tuple(cfg.workload.hot_experts), hot_bias=cfg.workload.hot_bias,

@@ -142,8 +142,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--interval", type=float, default=15.0)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v), choices=["auto", 1, 2],
-                    help="speculative.draft_passes (auto: one on the CPU)")
+    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    choices=["auto", 1, 2], help="speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--out", default="runs/bench_calibration.json")
     ap.add_argument("--plot", default="docs/img/calibration_tau.png")
     args = ap.parse_args()
@@ -159,8 +159,8 @@ def main() -> None:
               f"{time.perf_counter() - t:.0f} s", flush=True)
     ray.shutdown()
     off, on = res[False], res[True]
-    summary = {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch, "draft_passes": args.draft_passes,
-               "interval_s": args.interval, "lr": args.lr, "duration_s": {"off": off["duration_s"], "on": on["duration_s"]}}
+    summary = {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch,
+               "draft_passes": args.draft_passes, "interval_s": args.interval, "lr": args.lr, "duration_s": {"off": off["duration_s"], "on": on["duration_s"]}}
     for share in (0.0, 1 / 3, 2 / 3):
         a, b = tau_after(off, share), tau_after(on, share)
         summary[f"tau_after_{share:.2f}"] = {"off": round(a, 4), "on": round(b, 4), "ratio": round(b / a, 4)}

@@ -117,8 +117,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v), choices=["auto", 1, 2],
-                    help="DSpark's speculative.draft_passes (auto: one on the CPU)")
+    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    choices=["auto", 1, 2], help="DSpark's speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
                          "DSpark request recomputes up to its context window: this isolates speculation)")
