@@ -68,7 +68,8 @@ def config(args, calibrate: bool) -> dict:
             "speculative": {"method": "dspark", "draft_model": str(ASSETS_DIR / "tiny-dspark"), "num_tokens": 4,
                             "schedule": "static", "draft_passes": args.draft_passes,
                             "calibration": {"enabled": calibrate, "interval_s": args.interval, "min_rounds": 256,
-                                            "steps_per_update": 40, "batch_rounds": 64, "margin": 0.02,
+                                            "steps_per_update": args.steps_per_update,
+                                            "batch_rounds": args.batch_rounds, "margin": args.margin,
                                             "learning_rate": args.lr, "window_rounds": 400}}}
 
 
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--interval", type=float, default=15.0)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--steps-per-update", type=int, default=40)
+    ap.add_argument("--batch-rounds", type=int, default=64)
+    ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
                     choices=["auto", 1, 2], help="speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--out", default="runs/bench_calibration.json")
@@ -160,7 +164,9 @@ def main() -> None:
     ray.shutdown()
     off, on = res[False], res[True]
     summary = {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch,
-               "draft_passes": args.draft_passes, "interval_s": args.interval, "lr": args.lr, "duration_s": {"off": off["duration_s"], "on": on["duration_s"]}}
+               "draft_passes": args.draft_passes, "interval_s": args.interval, "lr": args.lr,
+               "steps_per_update": args.steps_per_update, "batch_rounds": args.batch_rounds, "margin": args.margin,
+               "duration_s": {"off": off["duration_s"], "on": on["duration_s"]}}
     for share in (0.0, 1 / 3, 2 / 3):
         a, b = tau_after(off, share), tau_after(on, share)
         summary[f"tau_after_{share:.2f}"] = {"off": round(a, 4), "on": round(b, 4), "ratio": round(b / a, 4)}

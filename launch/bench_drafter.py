@@ -41,14 +41,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--device", default="auto", help="auto: cuda where available, else cpu")
+    ap.add_argument("--dtypes", default="float32", help="model.dtype: the drafter serves in the target's dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    spec = load_spec(args.target, "float32")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     res = {"device": device}
-    for passes in (int(p) for p in args.passes.split(",")):
+    runs = [(int(p), d) for d in args.dtypes.split(",") for p in args.passes.split(",")]
+    for passes, dtype in runs:
+        spec = load_spec(args.target, dtype)  # the drafter serves in the target's dtype
         prop = DSparkProposer(args.drafter, args.target, spec, device=device, num_tokens=args.k, draft_passes=passes)
+        tag = f"_p{passes}" + ("" if dtype == "float32" else f"_{dtype}")
         g = torch.Generator().manual_seed(0)
         for B in (int(b) for b in args.batches.split(",")):
             reqs = []
@@ -67,8 +70,8 @@ def main() -> None:
                 prop.draft(reqs)
                 sync()
                 ts.append(time.perf_counter() - t)
-            res[f"b{B}_p{passes}"] = {"draft_ms": statistics.median(ts) * 1e3}
-            print(f"batch {B}, {passes} pass(es): {res[f'b{B}_p{passes}']['draft_ms']:.3f} ms a proposal", flush=True)
+            res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts) * 1e3}
+            print(f"batch {B}, {passes} pass(es), {dtype}: {res[f'b{B}{tag}']['draft_ms']:.3f} ms a proposal", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -1,6 +1,6 @@
 """The DSpark drafter against the bundled 2-layer drafter and plain decoding, held-out prompts, one process.
 
-    python launch/bench_dspark.py [--threads 1] [--max-tokens 64] [--prompts 16]
+    python launch/bench_dspark.py [--threads 1] [--max-tokens 64] [--prompts 16] [--dtype float32] [--tau-only]
     python launch/bench_dspark.py --ablation no-markov=/tmp/no-markov --ablation no-confidence=/tmp/no-conf
 
 Reports, in one run:
@@ -48,7 +48,7 @@ def spec_llm(args, method, draft, k):
     if method == "dspark":  # the passes the drafter was trained for, or fewer (--draft-passes)
         own = DSparkConfig.load(Path(draft) / "config.json").draft_passes
         sp["draft_passes"] = min(own, args.draft_passes or own)
-    return LLM(args.target, config={"model": {"dtype": "float32"}, "parallel": {"threads_per_worker": args.threads},
+    return LLM(args.target, config={"model": {"dtype": args.dtype}, "parallel": {"threads_per_worker": args.threads},
                                     "speculative": sp})
 
 
@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau-only", action="store_true", help="only part 1")
+    ap.add_argument("--dtype", default="float32", help="model.dtype of the speculative engines (the DSpark drafter "
+                    "serves in it too)")
     ap.add_argument("--draft-passes", type=int, default=None,
                     help="at most this many DSpark block passes (default: each drafter's own draft_passes, whatever "
                          "speculative.draft_passes' auto would pick on this machine)")

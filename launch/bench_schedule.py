@@ -217,8 +217,8 @@ def main():
               f"{sum(cal['brier_by_method']['raw']) if cal.get('brier_by_method') else float('nan'):.4f}")
         for m in p.methods if "ece_by_method" in cal else ():
             desc = describe_params(m, p.params[m])
-            if m == "isotonic":  # its knots are in the JSON; here their count per position
-                desc = {"knots": [None if kn is None else len(kn[0]) for kn in desc["knots"]]}
+            if m.startswith("isotonic"):  # its knots are in the JSON; here their count per position
+                desc = {**desc, "knots": [None if kn is None else len(kn[0]) for kn in desc["knots"]]}
             print(f"  {m + (' (in force)' if m == p.calibration else ''):15s} ECE % {pct(cal['ece_by_method'][m])} "
                   f"| floor % {pct(cal['ece_floor_by_method'][m])} | Brier sum {sum(cal['brier_by_method'][m]):.4f}"
                   f" | {desc}", flush=True)

@@ -338,7 +338,7 @@ def train_rank(rank: int, args, port: int, data) -> None:
             raise SystemExit(f"--init-from {args.init_from}: tensors missing {missing[:4]} / unexpected {unexpected[:4]}")
         if rank == 0:
             print(f"initialised from {args.init_from}", flush=True)
-    drafter.set_target_tables(embed, head)
+    drafter.set_target_tables(embed.float(), head.float())  # held, not copied: fp32 as the drafter trains
     teacher.model.to(device)
     drafter.to(device).train()
     ds_cfg = {

@@ -9,7 +9,8 @@ from dspark_cluster.errors import ConfigError
 
 from conftest import build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position
 from test_speculative import small_vocab  # noqa: F401 -- fixture
-from test_speculative import LAW_P, LAW_PROMPT, LAW_SCHED, first_position_law_verify, full_rounds, law_pvalue, seeded
+from test_speculative import (LAW_P, LAW_PROMPT, LAW_SCHED, exact_verify, first_position_law_verify, full_rounds,
+                              law_pvalue, seeded)
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -230,15 +231,18 @@ def test_greedy_output_is_identical_with_dspark(arch, placement, passes, checkpo
 
 
 def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0,  # noqa: F811
-                      placement: str = "group", passes: int = 1) -> float:
+                      placement: str = "group", passes: int = 1, dtype: str = "float32") -> float:
     """Speculation with a random DSpark drafter over small_vocab's target, k drafts a round: the
     p-value of the output law against the target's (see test_speculative's law tests), after
-    checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected."""
+    checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected.
+    dtype: model.dtype (the drafter serves in it too; the reference law stays the fp32 target's, which a
+    bf16 target of this peaky 8-token vocabulary matches far within the test's resolution)."""
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0,
                          draft_passes=passes)
-    llm = LLM(small_vocab["target"], config={"scheduler": LAW_SCHED, "speculative": {
+    llm = LLM(small_vocab["target"], config={"model": {"dtype": dtype}, "scheduler": LAW_SCHED, "speculative": {
         "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement,
         "draft_passes": passes}})
+    assert dspark_proposer(llm).model.fc.weight.dtype == getattr(torch, dtype)
     spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
     stats = llm.engine.drafter.stats
     assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k
@@ -249,14 +253,44 @@ def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000
     return p
 
 
-@pytest.mark.parametrize("k, top_p, placement, passes", [(2, 1.0, "group", 1), (3, 0.8, "group", 1),
-                                                         (3, 0.8, "target", 1), (3, 1.0, "group", 2)])
-def test_dspark_sampling_is_lossless(k, top_p, placement, passes, small_vocab, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("k, top_p, placement, passes, dtype", [
+    (2, 1.0, "group", 1, "float32"), (3, 0.8, "group", 1, "float32"), (3, 0.8, "target", 1, "float32"),
+    (3, 1.0, "group", 2, "float32"), (3, 0.8, "group", 1, "bfloat16"), (3, 1.0, "target", 2, "bfloat16")])
+def test_dspark_sampling_is_lossless(k, top_p, placement, passes, dtype, small_vocab, tmp_path):  # noqa: F811
     """With the drafter on the target the draft law of a sampled row never crosses: the driver rank
     verifies against the law it kept. A two-pass drafter's later slots are drawn from the second forward's
-    law, which the verifier must then use."""
-    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement, passes=passes)
+    law, which the verifier must then use. A bf16 drafter draws from its law rounded to bf16, which is what
+    it ships and what the verifier renormalises."""
+    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement, passes=passes, dtype=dtype)
     assert p > LAW_P, p
+
+
+@pytest.mark.parametrize("placement", ["group", "target"])
+def test_the_drafter_serves_in_the_targets_dtype(placement, checkpoint, drafters, prompts, monkeypatch):
+    """model.dtype bfloat16: the drafter's weights, the target's tables it holds, its context keys/values and the
+    sampled rows' draft laws are bf16 (an fp32 drafter beside a bf16 target reads and holds twice the bytes);
+    greedy output is the bf16 target's own."""
+    target, bf16 = checkpoint("qwen3_moe"), {"dtype": "bfloat16"}
+    base = [o.token_ids for o in LLM(target, config={"model": bf16, "scheduler": {"block_size": 4}}).generate(
+        prompts, GREEDY)]
+    laws, kv = [], set()
+
+    def spy(target_logits, draft_tokens, num_draft, draft_probs, *args):
+        laws.append(None if draft_probs is None else draft_probs.dtype)
+        kv.update(t.dtype for st in dspark_proposer(llm).ctx.values() for t in st.k + st.v)
+        return exact_verify(target_logits, draft_tokens, num_draft, draft_probs, *args)
+
+    monkeypatch.setattr(step_exec, "verify", spy)
+    llm = LLM(target, config={"model": bf16, **dspark_config(drafters("qwen3_moe"), k=3, placement=placement)})
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == base
+    m = dspark_proposer(llm).model
+    assert {p.dtype for p in m.parameters()} == {m.embed.dtype, m.lm_head.dtype} == {torch.bfloat16}
+    assert kv == {torch.bfloat16}
+    assert set(laws) == {None}  # greedy rows carry no law
+    laws.clear()
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)] * 2)
+    assert torch.bfloat16 in laws and torch.float32 not in laws
+    assert llm.engine.drafter.stats.summary()["num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("placement", ["group", "target"])

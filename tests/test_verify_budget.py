@@ -172,23 +172,50 @@ def test_calibrated_survival_reads_only_earlier_positions_and_is_monotone(method
     assert np.isnan(out[:, 2:]).all() and np.isfinite(out[:, :2]).all()
 
 
+def test_the_drift_offsets_follow_a_stream_whose_acceptance_moves():
+    """A stream whose acceptance rises every 1,500 rounds (as a stream of prompts growing easier does): the
+    map of the last 4,000 rounds lags it, and the offsets, refitted every 100 rounds on the latest 1,000,
+    follow it. Scored live on the same rounds (each by the fits in force when it ran); on a stream that holds
+    still they cost little. (Shifts to and fro cancel in part in a pooled ECE: each phase's error is in the
+    same bins with opposite signs.)"""
+    K, rng = 4, np.random.default_rng(11)
+    base = np.array([-0.6, 0.5, -0.3, 0.2])
+
+    def live_ece(shifts):
+        p = VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", min_rounds=50, compare=("isotonic",))
+        for shift in shifts:
+            raw, ver, acc, _ = shifted_rounds(rng, 1500, base + shift)
+            for i in range(0, len(raw), 4):
+                p.observe(raw[i:i + 4], ver[i:i + 4], acc[i:i + 4])
+        return p.calibration_report(floors=True)
+
+    moving = live_ece([0.0, 0.3, 0.6, 0.9, 1.2, 1.5])
+    drift, iso = moving["ece_by_method"]["isotonic_drift"], moving["ece_by_method"]["isotonic"]
+    assert np.mean(drift) < np.mean(iso) - 0.01 and max(drift) < max(iso), (drift, iso)
+    still = live_ece([0.0] * 6)
+    drift, iso = still["ece_by_method"]["isotonic_drift"], still["ece_by_method"]["isotonic"]
+    floor = still["ece_floor_by_method"]["isotonic"]
+    assert all(d < f + 0.01 for d, f in zip(drift, floor)) and np.mean(drift) < np.mean(iso) + 0.003, (drift, iso)
+
+
 def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossless():
     """The planner's default calibration, fitted on live-like rounds, with the structural property of
     `test_a_slot_is_verified_whatever_the_slots_after_it_say` through `VerifyPlanner.verify_lengths`."""
     K = 4
-    p = VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", refit_every=500, min_rounds=50)
-    assert p.calibration == "isotonic" and p.methods == ("isotonic", "sts")
+    p = VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", min_rounds=50)
+    assert p.calibration == "isotonic_drift" and p.methods == ("isotonic_drift", "sts")
     rng = np.random.default_rng(7)
     raw, ver, acc, _ = shifted_rounds(rng, 4000, [-0.8, 0.6, -0.4, 0.3])
     for i in range(0, len(raw), 8):
         p.observe(raw[i:i + 8], ver[i:i + 8], acc[i:i + 8])
     summary = p.summary()
-    assert summary["calibration_method"] == "isotonic" and summary["compared_methods"] == ["sts"]
+    assert summary["calibration_method"] == "isotonic_drift" and summary["compared_methods"] == ["sts"]
     assert len(summary["calibration_params"]["knots"]) == K and summary["calibration_params"]["knots"][0] is not None
-    assert set(summary["ece_by_method"]) == {"isotonic", "sts"}
-    assert summary["ece_after_by_position"] == summary["ece_by_method"]["isotonic"]
+    assert len(summary["calibration_params"]["offsets"]) == K
+    assert set(summary["ece_by_method"]) == {"isotonic_drift", "sts"}
+    assert summary["ece_after_by_position"] == summary["ece_by_method"]["isotonic_drift"]
     # scored on the same rounds: the shift defeats STS, not the isotonic map
-    assert max(summary["ece_by_method"]["isotonic"]) < max(summary["ece_by_method"]["sts"]) - 0.02
+    assert max(summary["ece_by_method"]["isotonic_drift"]) < max(summary["ece_by_method"]["sts"]) - 0.02
     for trial in range(300):
         N = int(rng.integers(1, 6))
         c = rng.uniform(0.05, 0.99, size=(N, K))

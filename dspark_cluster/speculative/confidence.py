@@ -1,8 +1,8 @@
-"""Calibrating draft confidences: Sequential Temperature Scaling (STS), two alternatives, and the ECE.
+"""Calibrating draft confidences: Sequential Temperature Scaling (STS), three alternatives, and the ECE.
 
 A drafter attaches to draft position j a raw confidence c_j, an estimate that token j survives
 verification given that tokens 1..j-1 did. The scheduler needs the survival probability of the
-whole prefix, a_j = prod_{i<=j} c_i, to be calibrated. Three calibrations, each fitted on earlier
+whole prefix, a_j = prod_{i<=j} c_i, to be calibrated. Four calibrations, each fitted on earlier
 rounds' outcomes and each giving a calibrated a'_j that reads only c_1..c_j (so whether slot j is
 verified never depends on the token x_j or later ones: lossless), non-decreasing in c_j and
 non-increasing along j:
@@ -19,6 +19,11 @@ non-increasing along j:
   position (pooled adjacent violators over equal-count bins), linear between its knots in logit(a_j).
   The raw product's miscalibration is S-shaped (the easiest rounds survive more often than any
   product of per-position confidences says), which no per-position affine map of logit(c_j) bends.
+- "isotonic_drift": the isotonic map (its shape, from the whole window), each position's a'_j then moved by
+  one offset in logit space fitted on the latest DRIFT_ROUNDS rounds and refitted between the map's refits
+  (`REFRESHES`): a live stream's difficulty drifts on a scale of ~1,500 rounds, which a 4,000-round map
+  lags (its error at the late positions swung +-4 points over a run); one parameter a position follows it
+  with little noise.
 
 Pure functions over numpy arrays. Shapes: conf [R, K] raw confidences of R verify rounds (NaN where
 position j was not drafted); verified [R] draft positions each round verified; accepted [R] of those
@@ -231,6 +236,60 @@ def apply_isotonic(conf: np.ndarray, knots: Knots) -> np.ndarray:
     return cal / prev
 
 
+# ---- the same map, following the stream's drift --------------------------------------------------
+
+DRIFT_ROUNDS = 1000  # the latest rounds an offset is fitted on (about what a stream's difficulty holds still for)
+
+
+def drift_offsets(knots: Knots, conf: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
+                  prior: float = 200.0, min_rounds: int = 50) -> np.ndarray:
+    """Per position, the offset d_j in logit space that brings the mean of sigmoid(logit(a'_j) + d_j) over these
+    rounds (the latest) to their observed survival, shrunk toward 0 as if `prior` more rounds had agreed with
+    the map (a position with fewer than min_rounds verified outcomes, or no map, gets 0). -> [K]."""
+    K = conf.shape[1]
+    observed, survived = outcomes(verified, accepted, K)
+    a = survival(apply_isotonic(conf, knots))
+    out = np.zeros(K)
+    for j in range(K):
+        rows = observed[:, j] & ~np.isnan(a[:, j])
+        if knots[j] is None or rows.sum() < min_rounds:
+            continue
+        z, y = _logit(a[rows, j]), survived[rows, j].astype(np.float64)
+        target = (y.sum() + prior * (1 / (1 + np.exp(-z))).mean()) / (len(y) + prior)
+        lo, hi = -2.0, 2.0
+        for _ in range(30):  # the mean prediction rises with the offset: bisection
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if (1 / (1 + np.exp(-(z + mid)))).mean() < target else (lo, mid)
+        out[j] = (lo + hi) / 2
+    return out
+
+
+def fit_isotonic_drift(conf: np.ndarray, verified: np.ndarray, accepted: np.ndarray, recent: int = DRIFT_ROUNDS,
+                       prior: float = 200.0, **kw) -> tuple[Knots, np.ndarray]:
+    """`fit_isotonic` on every round (the map's shape, from many rounds), then `drift_offsets` on the latest
+    `recent` of them (the rows are in time order): one parameter a position, which few rounds fit, so it
+    can follow the stream between refits of the shape (`refresh_isotonic_drift`)."""
+    knots = fit_isotonic(conf, verified, accepted, **kw)
+    return knots, drift_offsets(knots, conf[-recent:], verified[-recent:], accepted[-recent:], prior)
+
+
+def refresh_isotonic_drift(params: tuple, conf: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
+                           prior: float = 200.0) -> tuple[Knots, np.ndarray]:
+    """The same map with its offsets fitted again on these rounds (the latest `DRIFT_ROUNDS`)."""
+    return params[0], drift_offsets(params[0], conf, verified, accepted, prior)
+
+
+def apply_isotonic_drift(conf: np.ndarray, params: tuple) -> np.ndarray:
+    """As `apply_isotonic`, each position's a'_j moved by its offset in logit space (then kept non-increasing
+    along j): still reads c_1..c_j only, non-decreasing in c_j."""
+    knots, offsets = params
+    a = survival(apply_isotonic(conf, knots))
+    cal = np.where(np.isnan(a), np.nan, 1 / (1 + np.exp(-(_logit(a) + offsets))))
+    cal = np.minimum.accumulate(cal, axis=-1)
+    prev = np.concatenate([np.ones_like(cal[..., :1]), cal[..., :-1]], axis=-1)
+    return cal / prev
+
+
 # ---- by name -------------------------------------------------------------------------------------
 
 # name -> (fit(conf, verified, accepted) -> params, apply(conf, params) -> calibrated confidences)
@@ -239,7 +298,11 @@ CALIBRATIONS: dict[str, tuple[Callable, Callable]] = {
     "platt": (fit_platt, apply_platt),
     "platt_log_loss": (partial(fit_platt, objective="log_loss"), apply_platt),
     "isotonic": (fit_isotonic, apply_isotonic),
+    "isotonic_drift": (fit_isotonic_drift, apply_isotonic_drift),
 }
+# name -> refresh(params, conf, verified, accepted) of the latest DRIFT_ROUNDS rounds -> params: a cheap update
+# between refits (the planner's refresh_every)
+REFRESHES: dict[str, Callable] = {"isotonic_drift": refresh_isotonic_drift}
 
 
 def identity_params(method: str, K: int):
@@ -250,6 +313,8 @@ def identity_params(method: str, K: int):
         return np.ones(K), np.zeros(K)
     if method == "isotonic":
         return [None] * K
+    if method == "isotonic_drift":
+        return [None] * K, np.zeros(K)
     raise ValueError(f"calibration method must be one of {sorted(CALIBRATIONS)}, not {method!r}")
 
 
@@ -268,6 +333,8 @@ def describe_params(method: str, params, digits: int = 3) -> Optional[dict]:
         return {"temperatures": np.round(params, digits).tolist()}
     if method in ("platt", "platt_log_loss"):
         return {"scales": np.round(params[0], digits).tolist(), "biases": np.round(params[1], digits).tolist()}
+    if method == "isotonic_drift":
+        return {**describe_params("isotonic", params[0], digits), "offsets": np.round(params[1], digits).tolist()}
     # isotonic: per position None (identity) or its knots, raw survival -> calibrated survival
     return {"knots": [None if kn is None else
                       [np.round(1 / (1 + np.exp(-kn[0])), digits).tolist(), np.round(kn[1], digits).tolist()]

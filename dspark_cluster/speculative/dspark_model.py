@@ -177,8 +177,10 @@ class DSparkDrafter(nn.Module):
         super().__init__()
         self.c = c
         Ht, d, V = c.target_hidden_size, c.hidden_size, c.vocab_size
-        self.register_buffer("embed", torch.zeros(V, Ht), persistent=False)
-        self.register_buffer("lm_head", torch.zeros(V, Ht), persistent=False)
+        # the target's tables [V, Ht], set by set_target_tables (placeholders until then: at DeepSeek-V3's size a
+        # pair of tables is 3.7 GB in bf16, never to be allocated twice)
+        self.register_buffer("embed", torch.empty(0, Ht), persistent=False)
+        self.register_buffer("lm_head", torch.empty(0, Ht), persistent=False)
         self.fc = nn.Linear(len(c.target_layer_ids) * Ht, d, bias=False)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
         self.in_proj = nn.Linear(Ht, d, bias=False)
@@ -199,8 +201,13 @@ class DSparkDrafter(nn.Module):
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
 
     def set_target_tables(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        self.embed.copy_(embed)
-        self.lm_head.copy_(lm_head)
+        """The target's input embedding and LM head [V, Ht], held as they are (not copied: pass them on the
+        model's device, in its dtype)."""
+        if embed.shape != (self.c.vocab_size, self.c.target_hidden_size) or lm_head.shape != embed.shape:
+            raise CheckpointError(f"the target's tables {tuple(embed.shape)} / {tuple(lm_head.shape)} do not match the "
+                                  f"drafter's vocab_size x target_hidden_size ({self.c.vocab_size}, "
+                                  f"{self.c.target_hidden_size})")
+        self.embed, self.lm_head = embed, lm_head
         self._w1 = self._w2 = None
 
     def load_trained(self, state: dict) -> None:
@@ -250,7 +257,7 @@ class DSparkDrafter(nn.Module):
         if w1 is None:
             return None, 0.0
         e = w1[prev]
-        return e, ((e if gates is None else e * gates.to(e.dtype)) @ w2).float()
+        return e, ((e if gates is None else e * gates.to(e.dtype)).to(w2.dtype) @ w2).float()
 
     def confidence_logit(self, hn, e):
         """[h ; W1[prev]] -> raw confidence logit [...] (None without a confidence head)."""
@@ -365,9 +372,10 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor, device="cpu") -> DSparkDrafter:
-    """A saved DSpark drafter (config.json + model.safetensors, any float dtype, upcast to fp32)
-    with the target's tables in place."""
+def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor, device="cpu",
+                 dtype=torch.float32) -> DSparkDrafter:
+    """A saved DSpark drafter (config.json + model.safetensors, any float dtype) in `dtype` (serving: the
+    target's), with the target's tables in place in that dtype."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -377,8 +385,9 @@ def load_drafter(path, target_embed: torch.Tensor, target_lm_head: torch.Tensor,
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: DSpark drafter tensors missing {missing[:4]} or unexpected {unexpected[:4]}")
-    model.set_target_tables(target_embed.float(), target_lm_head.float())
-    return model.to(device).eval()
+    model = model.to(device, dtype).eval()
+    model.set_target_tables(target_embed.to(device, dtype), target_lm_head.to(device, dtype))
+    return model
 
 
 def target_tables(target_path, spec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,7 +84,10 @@ class DSparkProposer:
             raise ConfigError(f"speculative.num_tokens: got {num_tokens}; the DSpark drafter {path.name} drafts at most "
                               f"{c.block_size} tokens per block; use num_tokens <= {c.block_size}")
         self.device = torch.device(device)
-        self.model = load_drafter(path, embed, lm_head, self.device)
+        # the target's serving dtype (model.dtype): its hidden states come in it, and a drafter in fp32 beside a
+        # bf16 target would read twice the bytes (and hold its tables twice over)
+        self.dtype = target_spec.dtype
+        self.model = load_drafter(path, embed, lm_head, self.device, self.dtype)
         self.model.c.draft_passes = c.draft_passes
         self.c = self.model.c  # one config: what drafting and calibration's forward both read
         self.layer_ids = tuple(c.target_layer_ids)
@@ -161,7 +164,7 @@ class DSparkProposer:
         chunks = [(st, s0, h) for st in (self.ctx[sid] for sid in seq_ids) for s0, h in st.raw if h.shape[0]]
         if not chunks:
             return
-        hidden = torch.cat([h for _, _, h in chunks]).to(self.device, torch.float32)
+        hidden = torch.cat([h for _, _, h in chunks]).to(self.device, self.dtype)
         pos = torch.cat([torch.arange(s0, s0 + h.shape[0]) for _, s0, h in chunks]).to(self.device)
         fused = self.model.fuse(hidden)
         for li, layer in enumerate(self.model.layers):
@@ -218,7 +221,8 @@ class DSparkProposer:
     def stage(self, version: int, state: dict, keep) -> None:
         """Hold a calibrated version's weights, ready to switch to; keep only the versions in `keep`
         (and this one, and the serving one)."""
-        self.staged[version] = {k: v.to(self.device) for k, v in state.items()}
+        self.staged[version] = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                                for k, v in state.items()}
         for v in [v for v in self.staged if v not in set(keep) | {version, self.version}]:
             self.staged.pop(v)
 
@@ -331,7 +335,8 @@ class DSparkProposer:
     def draft(self, requests) -> tuple[list[int], tuple]:
         """The drafting itself, left on the device: (indices of the requests drafted for (k > 0, context
         in), (tokens [B, K] long, raw confidences [B, K], draft laws [B, K, V] or None when every row is
-        greedy and a confidence head gives the confidences)); K = the most any request asks for."""
+        greedy and a confidence head gives the confidences; sampled rows' laws in the drafter's dtype)); K = the most
+        any request asks for."""
         self._proposals += 1
         if self._proposals % 8 == 1:  # the context's peak, for the cost ledger (a sum over every sequence)
             self.peak_context_bytes = max(self.peak_context_bytes, self._context_bytes())
@@ -364,8 +369,10 @@ class DSparkProposer:
             if greedy:
                 tok = z.argmax(-1)
             else:
-                law = filter_logits(z, temp, top_k, top_p).softmax(-1)
-                raced = race_sample(law, seeds, [r.position + i for r in reqs], DRAFT)
+                # in the drafter's dtype: the law it ships (or hands the verify step) is the law it draws from
+                # (a 16-bit law is renormalised where it is verified; the race is scale-free)
+                law = filter_logits(z, temp, top_k, top_p).softmax(-1).to(self.dtype)
+                raced = race_sample(law.float(), seeds, [r.position + i for r in reqs], DRAFT)
                 tok = torch.where(temp == 0, z.argmax(-1), raced)
                 laws.append(law)
             tokens.append(tok)

@@ -1,7 +1,7 @@
 """Confidence-scheduled verification: how many draft tokens to verify in a step, given the load.
 
 Each (sequence r, draft position j) slot has a calibrated survival probability a_{r,j} (by default
-the "isotonic" calibration of `confidence.py`, STS fitted beside it for comparison). A step that
+the "isotonic_drift" calibration of `confidence.py`, STS fitted beside it for comparison). A step that
 verifies B tokens in all takes T(B) seconds (`StepCost`: profiled at start-up, corrected by live step
 times) after a drafting call of D seconds, and yields the sampling rows' one token each plus, in
 expectation, the sum of the admitted slots' a. The budget admits slots greedily in decreasing a, and
@@ -26,6 +26,7 @@ and the load, so it too leaves the output law alone.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 import time
@@ -34,8 +35,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .confidence import (CALIBRATIONS, apply_calibration, brier_by_position, describe_params, ece_by_position,
-                         fit_calibration, identity_params, survival)
+from .confidence import (CALIBRATIONS, DRIFT_ROUNDS, REFRESHES, apply_calibration, brier_by_position, describe_params,
+                         ece_by_position, fit_calibration, identity_params, survival)
 
 
 def choose_verify_lengths(a: np.ndarray, base_tokens: int, base_expected: float,
@@ -212,16 +213,18 @@ class VerifyPlanner:
     outcomes, the confidence calibration fitted on it (refitted every `refit_every` rounds), the step
     and drafter cost models, and the choices per step.
 
-    calibration: the method in force (a name of `confidence.CALIBRATIONS`; "isotonic" measured best on
-    live rounds, BENCHMARKS.md "Calibration: STS and isotonic on live rounds"). compare: methods fitted
-    on the same windows and scored on the same live rounds beside it, never used to choose. window: 4000
-    rounds (2000 left position 5 at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on prompts the window did not
-    hold, BENCHMARKS.md session 16)."""
+    calibration: the method in force (a name of `confidence.CALIBRATIONS`; "isotonic_drift", isotonic's map
+    with an offset a position that follows the stream, measured best on live rounds, BENCHMARKS.md "Calibration
+    that follows the stream (session 22)"). compare: methods fitted on the same windows (at most every
+    compare_refit_every rounds) and scored on the same live rounds beside it, never used to choose. window: 4000 rounds for the map's shape (2000 left position 5
+    at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on prompts the window did not hold, BENCHMARKS.md session
+    16); refitted every refit_every rounds (250: 500 lagged the stream's drift), with the cheap update of a
+    method that has one (the drift offsets, on the latest `confidence.DRIFT_ROUNDS`) every refresh_every."""
 
-    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 500,
+    def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 250,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
-                 calibration: str = "isotonic", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8,
-                 draft_passes: int = 1):
+                 calibration: str = "isotonic_drift", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8,
+                 draft_passes: int = 1, refresh_every: int = 100, compare_refit_every: int = 500):
         self.k, self.step_cost, self.method, self.draft_passes = k, step_cost, method, draft_passes
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
@@ -231,6 +234,9 @@ class VerifyPlanner:
         self.live = deque(maxlen=20 * window)
         self.fitted = False
         self.refit_every, self.min_rounds, self.explore_every = refit_every, min_rounds, explore_every
+        # a method with a cheap update (confidence.REFRESHES) takes it every refresh_every rounds between refits
+        self.refresh_every, self._since_refresh = refresh_every, 0
+        self.compare_refit_every, self._since_compare = compare_refit_every, 0
         self.min_position_rounds = 20  # a position drafted fewer times in the window is extrapolated
         # drafting must promise this much more throughput than plain decoding: the costs are measured, but a
         # drafting step also pays what they leave out (verification, bookkeeping), and a loss at load is
@@ -480,8 +486,24 @@ class VerifyPlanner:
                              for i in np.nonzero(verified)[0].tolist())
         self.window.extend(zip(raw, verified.tolist(), accepted.tolist()))
         self._since_fit += len(raw)
+        self._since_refresh += len(raw)
+        self._since_compare += len(raw)
         if (self._since_fit >= self.refit_every or not self.fitted) and len(self.window) >= self.min_rounds:
             self.refit()  # the first fit as soon as there is enough, then every refit_every rounds
+        elif self.fitted and self._since_refresh >= self.refresh_every:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """The cheap update of the methods that have one, on the latest DRIFT_ROUNDS rounds of the window."""
+        self._since_refresh = 0
+        methods = [m for m in self.methods if m in REFRESHES]
+        if not methods:
+            return
+        tail = list(itertools.islice(self.window, max(0, len(self.window) - DRIFT_ROUNDS), None))
+        conf = np.array([w[0] for w in tail])
+        ver, acc = np.array([w[1] for w in tail]), np.array([w[2] for w in tail])
+        for m in methods:  # (the draft length's mean survival stays the refit's: it reads the whole window)
+            self.params[m] = REFRESHES[m](self.params[m], conf, ver, acc)
 
     def drafter_changed(self) -> None:
         """Another drafter version serves: its confidences are calibrated afresh from its own rounds
@@ -496,14 +518,18 @@ class VerifyPlanner:
         self._rates = self._position_rates(ver, acc)
         if self.method == "ngram":  # its confidences are those rates: as they were when each round ran
             conf = np.where(np.isnan(conf), np.nan, self._rates[None, :])
-        for m in self.methods:
+        # the compared methods (reports only) at most every compare_refit_every rounds: STS's grid is most of a
+        # refit's time (~14 of ~21 ms at 4000 rounds), and a refit holds up the step loop it runs in
+        compare = not self.fitted or self._since_compare >= self.compare_refit_every
+        for m in self.methods if compare else self.methods[:1]:
             self.params[m] = fit_calibration(m, conf, ver, acc)
+        self._since_compare = 0 if compare else self._since_compare
         self.fitted = True
         a = self.calibrated_survival(conf)
         drafted = ~np.isnan(a)  # the mean where drafted: shorter drafts (room, load) say nothing of later positions
         mean = np.nan_to_num(a, nan=0.0).sum(0) / np.maximum(drafted.sum(0), 1)
         self.mean_survival = extrapolate_survival(mean, drafted.sum(0), self.min_position_rounds)
-        self._since_fit = 0
+        self._since_fit = self._since_refresh = 0
         self.num_refits += 1
         self._memo.clear()
 
