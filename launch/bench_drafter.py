@@ -1,13 +1,15 @@
 """The DSpark drafter's proposal alone, in process: the time of one `DSparkProposer.draft` by batch size and
 block passes (context rows ingested from random target states, so no target runs), one thread.
 
-    python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--json OUT]
+    python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--dtypes float32]
+        [--json OUT]
     python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
         -- launch/bench_drafter.py --json {json}
 
 Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bundled tiny-dspark (or
 --drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
-device's end). `launch/bench_dspark.py` has
+device's end). --dtypes: the target's model.dtype, which the drafter serves in (keys b<B>_p<P>[_<dtype>], no
+suffix for float32). `launch/bench_dspark.py` has
 the drafter's cost inside a serving engine at batch 1 (its c); this one isolates the proposal by batch.
 """
 
@@ -71,7 +73,8 @@ def main() -> None:
                 sync()
                 ts.append(time.perf_counter() - t)
             res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts) * 1e3}
-            print(f"batch {B}, {passes} pass(es), {dtype}: {res[f'b{B}{tag}']['draft_ms']:.3f} ms a proposal", flush=True)
+            ms = res[f"b{B}{tag}"]["draft_ms"]
+            print(f"batch {B}, {passes} pass(es), {dtype}: {ms:.3f} ms a proposal", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

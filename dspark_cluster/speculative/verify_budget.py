@@ -216,15 +216,17 @@ class VerifyPlanner:
     calibration: the method in force (a name of `confidence.CALIBRATIONS`; "isotonic_drift", isotonic's map
     with an offset a position that follows the stream, measured best on live rounds, BENCHMARKS.md "Calibration
     that follows the stream (session 22)"). compare: methods fitted on the same windows (at most every
-    compare_refit_every rounds) and scored on the same live rounds beside it, never used to choose. window: 4000 rounds for the map's shape (2000 left position 5
-    at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on prompts the window did not hold, BENCHMARKS.md session
-    16); refitted every refit_every rounds (250: 500 lagged the stream's drift), with the cheap update of a
-    method that has one (the drift offsets, on the latest `confidence.DRIFT_ROUNDS`) every refresh_every."""
+    compare_refit_every rounds) and scored on the same live rounds beside it, never used to choose. window:
+    4000 rounds for the map's shape (2000 left position 5 at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on
+    prompts the window did not hold, BENCHMARKS.md session 16); refitted every refit_every rounds (250: 500
+    lagged the stream's drift), with the cheap update of a method that has one (the drift offsets, on the
+    latest `confidence.DRIFT_ROUNDS`) every refresh_every."""
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 250,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
-                 calibration: str = "isotonic_drift", compare: tuple = ("sts",), prior_acceptance: Optional[float] = 0.8,
-                 draft_passes: int = 1, refresh_every: int = 100, compare_refit_every: int = 500):
+                 calibration: str = "isotonic_drift", compare: tuple = ("sts",),
+                 prior_acceptance: Optional[float] = 0.8, draft_passes: int = 1, refresh_every: int = 100,
+                 compare_refit_every: int = 500):
         self.k, self.step_cost, self.method, self.draft_passes = k, step_cost, method, draft_passes
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
