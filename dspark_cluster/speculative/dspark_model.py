@@ -133,26 +133,23 @@ class DSparkLayer(nn.Module):
         self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
 
-    def rope(self, positions):
-        """cos, sin [..., T, head_dim] in fp32 (the rotation is computed in fp32 whatever the width)."""
-        return rope_cos_sin(positions, rope_frequencies(self.c.head_dim, self.c.rope_theta, positions.device))
-
-    def context_kv(self, ctx, positions):
-        """Keys/values of fused context rows: ctx [..., T, d], positions [..., T] ->
-        k, v [..., T, heads, head_dim] (k normed and rotated)."""
+    def context_kv(self, ctx, rope):
+        """Keys/values of fused context rows: ctx [..., T, d], rope the (cos, sin) of their positions
+        (`DSparkDrafter.rope`) -> k, v [..., T, heads, head_dim] (k normed and rotated)."""
         shape = ctx.shape[:-1] + (self.c.num_heads, self.c.head_dim)
-        k = apply_rope(self.k_norm(self.k_proj(ctx).view(shape)), *self.rope(positions))
+        k = apply_rope(self.k_norm(self.k_proj(ctx).view(shape)), *rope)
         return k, self.v_proj(ctx).view(shape)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask, in_place: bool = False):
-        """x [B, Q, d] block rows at `positions` [B, Q]; ctx_k/ctx_v [B, C, heads, hd], the context's keys and
-        values (the block's are appended to a copy); or with `in_place` [B, C + Q, heads, hd], whose last Q rows
-        the block's are written into (serving: no copy of the context per layer); mask [B, Q, C + Q] bool
-        (True: may attend) or None (everything)."""
+    def forward(self, x, rope, ctx_k, ctx_v, mask, in_place: bool = False):
+        """x [B, Q, d] block rows, rope the (cos, sin) of their positions [B, Q] (`DSparkDrafter.rope`: made once
+        for every layer); ctx_k/ctx_v [B, C, heads, hd], the context's keys and values (the block's are appended
+        to a copy); or with `in_place` [B, C + Q, heads, hd], whose last Q rows the block's are written into
+        (serving: no copy of the context per layer); mask [B, Q, C + Q] bool (True: may attend) or None
+        (everything)."""
         B, Q, _ = x.shape
         H, D = self.c.num_heads, self.c.head_dim
         h = self.input_norm(x)
-        cos, sin = self.rope(positions)
+        cos, sin = rope
         q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
         v = self.v_proj(h).view(B, Q, H, D)
@@ -199,6 +196,7 @@ class DSparkDrafter(nn.Module):
         if c.confidence_head:
             self.confidence = nn.Linear(d + r, 1)
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
+        self._inv_freq: dict = {}  # device -> the rope's inverse frequencies (fp32, whatever the model's dtype)
 
     def set_target_tables(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """The target's input embedding and LM head [V, Ht], held as they are (not copied: pass them on the
@@ -209,6 +207,15 @@ class DSparkDrafter(nn.Module):
                                   f"{self.c.target_hidden_size})")
         self.embed, self.lm_head = embed, lm_head
         self._w1 = self._w2 = None
+
+    def rope(self, positions):
+        """positions [...] -> the rotation's cos, sin [..., 1, head_dim] in fp32 (computed in fp32 whatever the
+        width), for every layer (they share head_dim and theta): made once a forward."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = rope_frequencies(self.c.head_dim, self.c.rope_theta,
+                                                                           positions.device)
+        return rope_cos_sin(positions, inv_freq)
 
     def load_trained(self, state: dict) -> None:
         """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
@@ -290,9 +297,10 @@ class DSparkDrafter(nn.Module):
         blk = torch.arange(A * S, device=dev) // S
         see_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
         mask = torch.cat([see_ctx, see_blk], dim=2)
+        ctx_rope, q_rope = self.rope(ctx_pos), self.rope(qpos)
         for layer in self.layers:
-            ck, cv = layer.context_kv(ctx, ctx_pos)
-            x = layer(x, qpos, ck, cv, mask)
+            ck, cv = layer.context_kv(ctx, ctx_rope)
+            x = layer(x, q_rope, ck, cv, mask)
         hn, base = self.head(x.view(B, A, S, -1))
         prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
         w1, w2 = self.markov_factors()
@@ -319,12 +327,13 @@ class DSparkDrafter(nn.Module):
             see_ctx = see_ctx & (ctx_pos[:, None, :] >= q_anchor - window)
         blk = torch.arange(A * S, device=dev) // S
         mask = torch.cat([see_ctx, (blk[:, None] == blk[None, :]).expand(B, -1, -1)], dim=2)
-        kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
+        ctx_rope, q_rope = self.rope(ctx_pos), self.rope(qpos)
+        kv = [layer.context_kv(ctx, ctx_rope) for layer in self.layers]
 
         def block(second=None):
             x = self.block_input(anchors.reshape(-1), S, second).view(B, A * S, -1)
             for layer, (ck, cv) in zip(self.layers, kv):
-                x = layer(x, qpos, ck, cv, mask)
+                x = layer(x, q_rope, ck, cv, mask)
             return self.head(x.view(B, A, S, -1))
 
         hn, base = block()

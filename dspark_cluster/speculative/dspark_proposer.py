@@ -166,9 +166,9 @@ class DSparkProposer:
             return
         hidden = torch.cat([h for _, _, h in chunks]).to(self.device, self.dtype)
         pos = torch.cat([torch.arange(s0, s0 + h.shape[0]) for _, s0, h in chunks]).to(self.device)
-        fused = self.model.fuse(hidden)
+        fused, rope = self.model.fuse(hidden), self.model.rope(pos)
         for li, layer in enumerate(self.model.layers):
-            k, v = layer.context_kv(fused, pos)
+            k, v = layer.context_kv(fused, rope)
             off = 0
             for st, s0, h in chunks:
                 n, end = h.shape[0], s0 + h.shape[0]
@@ -307,8 +307,9 @@ class DSparkProposer:
         m = self.model
         qpos, mask, kv = context if context is not None else self.block_context(requests)
         x = m.block_input(torch.tensor([r.anchor for r in requests], device=self.device), self.c.block_size, second)
+        rope = m.rope(qpos)  # (a second pass makes it again: a few ops, beside passing it around)
         for li, layer in enumerate(m.layers):
-            x = layer(x, qpos, *kv(li), mask, in_place=True)
+            x = layer(x, rope, *kv(li), mask, in_place=True)
         return m.head(x)
 
     @torch.inference_mode()
