@@ -130,7 +130,8 @@ class Worker:
             from .speculative.on_target import TargetDrafter
 
             self.drafter = TargetDrafter(cfg.draft_model, cfg.model.path, spec, self.device, cfg.num_draft_tokens,
-                                         cfg.context_window, cfg.draft_passes)
+                                         cfg.context_window, cfg.draft_passes,
+                                         (self.model.model.embed_tokens.weight, self.model.lm_head.weight))
 
     # -- KV --------------------------------------------------------------------------------------
 

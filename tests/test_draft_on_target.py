@@ -74,6 +74,25 @@ def test_nothing_of_the_drafter_crosses_but_tokens_and_confidences(target, draft
     assert before and not before & set(dspark_proposer(llm).ctx) and len(dspark_proposer(llm).ctx) <= 1
 
 
+def test_the_drafter_on_the_target_reads_the_targets_own_tables(target, drafter, prompts, plain):
+    """Unsharded, the driver rank's embedding and LM head are the whole vocabulary: the drafter beside them
+    reads them in place (no second copy; the ledger counts its own weights only); a drafter group holds its own
+    copy and counts it."""
+    llm = LLM(target, config=target_config(drafter))
+    m, model = dspark_proposer(llm).model, llm.engine.executor.worker.model
+    assert m.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert m.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    own = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert llm.engine.cost_ledger()["memory"]["by_kind"]["drafter_weights"] == own
+    group = LLM(target, config={**target_config(drafter), "speculative": {
+        **target_config(drafter)["speculative"], "placement": "group"}})
+    g = dspark_proposer(group).model
+    assert g.embed.data_ptr() != group.engine.executor.worker.model.model.embed_tokens.weight.data_ptr()
+    tables = sum(b.numel() * b.element_size() for b in (g.embed, g.lm_head))
+    assert group.engine.cost_ledger()["memory"]["by_kind"]["drafter_weights"] == own + tables
+
+
 @pytest.mark.parametrize("fails_in", ["draft", "ingest"])
 def test_a_drafter_failure_on_the_target_degrades_to_plain_decoding(fails_in, target, drafter, prompts, plain):
     cfg = target_config(drafter, schedule="confidence")

@@ -69,7 +69,7 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 class DSparkProposer:
     def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False,
-                 context_window="auto", draft_passes="auto"):
+                 context_window="auto", draft_passes="auto", target_tables_held=None):
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
         # a block reads the latest `window` context rows before its anchor (speculative.context_window)
@@ -87,6 +87,13 @@ class DSparkProposer:
         # the target's serving dtype (model.dtype): its hidden states come in it, and a drafter in fp32 beside a
         # bf16 target would read twice the bytes (and hold its tables twice over)
         self.dtype = target_spec.dtype
+        # target_tables_held: the target's own embedding and LM head where this drafter runs beside it (placement
+        # target) unsharded; read rather than a second copy (at a 151k x 2048 vocabulary, 1.2 GB in bf16)
+        held = target_tables_held
+        self.tables_shared = held is not None and all(
+            t.shape == embed.shape and t.dtype == self.dtype and t.device == self.device for t in held)
+        if self.tables_shared:
+            embed, lm_head = (t.detach() for t in held)
         self.model = load_drafter(path, embed, lm_head, self.device, self.dtype)
         self.model.c.draft_passes = c.draft_passes
         self.c = self.model.c  # one config: what drafting and calibration's forward both read
@@ -248,13 +255,15 @@ class DSparkProposer:
         return ctx
 
     def memory_report(self) -> dict:
-        """param_bytes (with the shared tables), context_kv_bytes now, and kv_bytes: the context's
-        peak, sampled every 8th proposal (the cost ledger's drafter KV)."""
+        """param_bytes (with the target's tables, unless they are the target's own tensors: tables_shared),
+        shared_table_bytes (the tables it reads), context_kv_bytes now, and kv_bytes: the context's peak, sampled
+        every 8th proposal (the cost ledger's drafter KV)."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
         ctx = self._context_bytes()
         self.peak_context_bytes = max(self.peak_context_bytes, ctx)
-        return {"param_bytes": params + tables, "shared_table_bytes": tables, "context_kv_bytes": ctx,
+        return {"param_bytes": params + (0 if self.tables_shared else tables), "shared_table_bytes": tables,
+                "tables_shared_with_target": self.tables_shared, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
     @torch.inference_mode()  # it writes into the store, made in inference mode

@@ -53,10 +53,13 @@ def profile_calls(prepare, call, free, rows=PROFILE_ROWS, repeats: int = 3) -> d
 
 class TargetDrafter:
     def __init__(self, draft_model: str, target_path: str, target_spec, device, num_tokens: int, context_window,
-                 draft_passes=1):
+                 draft_passes=1, target_tables_held=None):
+        """target_tables_held: this rank's embedding and LM head weights, which the drafter reads in place where
+        they are the whole vocabulary (no tensor parallelism)."""
         self.proposer: Optional[DSparkProposer] = DSparkProposer(draft_model, target_path, target_spec, device,
                                                                  num_tokens, context_window=context_window,
-                                                                 draft_passes=draft_passes)
+                                                                 draft_passes=draft_passes,
+                                                                 target_tables_held=target_tables_held)
         # seq_id -> (sequence length the proposal continues, its tokens [k] (host), its draft law [k, V] (a
         # view of its batch's on the device)), for the sampled rows' latest proposals
         self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
