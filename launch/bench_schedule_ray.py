@@ -190,6 +190,9 @@ def main():
     if HAS_PLACEMENT:
         ap.add_argument("--placement", choices=["auto", "target", "group"], default=None,
                         help="speculative.placement of the drafters (default: the config's)")
+    ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    choices=["auto", 1, 2], help="DSpark's speculative.draft_passes (auto: as the cluster's devices "
+                    "resolve it, one on a CPU cluster)")
     ap.add_argument("--out", default=None, help="results as JSON")
     args = ap.parse_args()
     torch.set_num_threads(1)  # this process only submits and reads

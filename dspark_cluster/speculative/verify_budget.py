@@ -543,7 +543,11 @@ class VerifyPlanner:
                "window_rounds": len(self.window), "live_rounds": len(self.live),
                "mean_survival": None if self.mean_survival is None else self.mean_survival.round(4).tolist(),
                "step_cost": self.step_cost.table(),
-               "drafting_step_ratio": {2 ** b: round(self._drafting_ratio(2 ** b), 3) for b in self.drafting_ratio}}
+               "drafting_step_ratio": {2 ** b: round(self._drafting_ratio(2 ** b), 3) for b in self.drafting_ratio},
+               # what it believes a drafter forward costs by rows, and the host time a drafting step pays
+               "draft_forward_ms": {n: round(1e3 * self.draft_cost.per_forward_s(n), 3) for n in (1, 8, 32, 64)}
+               if self.draft_cost.samples else {},
+               "hidden_host_ms": round(1e3 * self.hidden_host_s, 3)}
         if time.monotonic() - self._report_t > 10.0:  # /health and /metrics ask often: not every time
             self._report, self._report_t = self.calibration_report(), time.monotonic()
         return {**out, **self._report}
