@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # per-step statistics kept for live metrics in a long-running server; a run's report records every
 # step through `LLMEngine.step_record`
 STEP_STATS_KEPT = 4096
+IDLE_GAP_S = 0.05  # a step that starts this long after the last one ended follows an idle engine
 
 
 @dataclass
@@ -144,6 +146,7 @@ class LLMEngine:
         self.step_stats: deque = deque(maxlen=STEP_STATS_KEPT)  # the latest steps (bounded: servers run for long)
         self.step_record: Optional[list] = None  # every step's stats, when a run's report asks for them
         self.num_steps = self.num_overlapped_steps = 0
+        self._last_done_at = -math.inf  # when the last step's outputs came back (perf_counter)
         # fault tolerance (executor ray): target restarts so far, and whether one is under way
         self.num_restarts, self.restarting = 0, False
         self.last_restart: Optional[dict] = None  # step, teardown and start-up seconds of the last restart
@@ -358,6 +361,10 @@ class LLMEngine:
         t_wait = time.perf_counter()
         outs = self.executor.wait(step.handle)
         step.done_at = time.perf_counter()
+        # the step period, from the last step's end to this one's (None across an idle engine's gap): what the
+        # verify planner judges drafting's delivery by
+        period = step.done_at - self._last_done_at if t0 - self._last_done_at < IDLE_GAP_S else None
+        self._last_done_at = step.done_at
         # submitted early, it ran while the caller handled the step before: its time runs from its submission
         execute_time = (step.done_at - step.submitted_at if step.early_host_s is not None
                         else step.submit_s + step.done_at - t_wait)
@@ -371,6 +378,7 @@ class LLMEngine:
         step.processed = True
         events, learn = [], []
         spec_rounds = spec_tokens = 0  # verify rounds this step and the tokens they produced
+        committed = 0
         for sc, g, step_in, out in zip(scheds, self.schedulers, inputs, outs):
             rows = [sc.scheduled[r] for r in step_in.sample_rows.tolist()]
             sampled = {s.seq.seq_id: toks[:n] for s, toks, n in zip(rows, out.sampled.tolist(), out.num_tokens.tolist())}
@@ -390,10 +398,12 @@ class LLMEngine:
                     seq.output_logprobs.extend(lps)
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq, lps))
                 self.meter.output_tokens += len(new)
-        self._record(step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens)
+                committed += len(new)
+        self._record(step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens, (committed, period))
         return events, learn
 
-    def _record(self, step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens) -> None:
+    def _record(self, step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens,
+                delivered=(0, None)) -> None:
         """The step's statistics: kept for live metrics, a run's report, the cost meter and the
         verify budget's step-cost model."""
         stats = {
@@ -426,6 +436,10 @@ class LLMEngine:
                     step.early_host_s if step.early_host_s is not None
                     else stats["step_time_s"] - execute_time if self.async_scheduling else None,
                     num_rows=stats["num_seqs"], drafting=stats["num_drafted"] > 0)
+            if delivered[1] is not None and not any(s.num_new_tokens > 1 for sc in scheds for s in sc.scheduled):
+                # (decode steps only: a prompt chunk's step delivers little and says nothing of drafting)
+                self.speculation.observe_delivery(stats["num_seqs"], delivered[0], delivered[1],
+                                                  stats["num_drafted"] > 0)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
         self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)

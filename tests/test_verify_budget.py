@@ -555,3 +555,51 @@ def test_a_plain_steps_cost_is_learned_on_plain_decode_steps_only():
     for _ in range(5):  # under half the belief: the belief was wrong (a profile read on a busy machine)
         planner.drafted(1, 6, 0.0008)
     assert planner.draft_cost.per_forward_s(1) == pytest.approx(0.0008)
+
+
+def test_drafting_that_delivers_less_than_plain_decoding_stops_at_that_load():
+    """The cost model says drafting pays at 8 rows; the steps say otherwise (tokens per second of the step
+    period, drafter and host included: through Ray a fresh engine that learned at 8 rows drafted at 0.53-0.63x
+    of plain decoding, BENCHMARKS.md session 22). Drafting stops at that load once 4 drafting steps delivered
+    under 0.9x of the plain steps there (or, with no plain steps seen there, of the plain step's model), not at
+    other loads, and is judged afresh when the evidence ages out (ratio_horizon steps)."""
+    profile = StepCost([1, 8, 16, 64], [0.0015, 0.0020, 0.0025, 0.0050])
+    planner = VerifyPlanner(6, profile, "dspark")
+    planner.mean_survival = 0.9 ** np.arange(1, 7)
+    for _ in range(9):
+        planner.draft_cost.observe(8, 1, 0.001)
+        planner.draft_cost.observe(1, 1, 0.0005)
+    assert planner.draft_len(8) > 0 and planner.draft_len(1) > 0  # by the model, drafting pays at both
+    plain_8 = 8 / 0.0020  # tokens/s of a plain step at 8 rows
+    for _ in range(2):
+        planner.observe_delivery(8, 8, 0.0020, drafting=False)
+        planner.observe_delivery(8, 24, 0.0120, drafting=True)  # 2,000 tokens/s: half of plain's
+    planner.observe_delivery(8, 24, 0.0120, drafting=True)
+    assert not planner.delivery_vetoes(8)  # three are not yet evidence
+    planner.observe_delivery(8, 24, 0.0120, drafting=True)
+    assert planner.delivery_vetoes(8)  # against the model's plain step (2 measured plain steps are too few)
+    planner.observe_delivery(8, 8, 0.0020, drafting=False)
+    assert planner.delivery_vetoes(8) and plain_8 > 2000  # and against the measured ones
+    planner._memo.clear()
+    assert planner.draft_len(8) == 0 and planner.draft_len(6) == 0  # 6 rows: the nearest power of 2 is 8 too
+    for _ in range(4):  # at 1 row drafting delivers about as much as plain decoding (0.93x): it goes on there
+        planner.observe_delivery(1, 1, 0.0015, drafting=False)
+        planner.observe_delivery(1, 4, 0.0064, drafting=True)
+    assert not planner.delivery_vetoes(1) and planner.draft_len(1) > 0
+    for _ in range(planner.ratio_horizon):  # the evidence ages out: the model decides again
+        planner.observe_delivery(1, 1, 0.0015, drafting=False)
+    assert not planner.delivery_vetoes(8) and planner.draft_len(8) > 0
+
+
+def test_learning_that_delivers_less_than_plain_decoding_stops_at_that_load():
+    """Before any outcome the prior gate decides (a good drafter's acceptance, the start-up profile); where its
+    learning steps deliver less than plain decoding, learning stops at that load as drafting does (through Ray
+    the gate at 8 rows opens or not by the profile's noise, and learning there lost: BENCHMARKS.md session 22)."""
+    profile = StepCost([1, 8, 16, 64], [0.0015, 0.0020, 0.0025, 0.0050])
+    planner = VerifyPlanner(6, profile, "dspark")
+    for _ in range(9):
+        planner.draft_cost.observe(8, 1, 0.0005)
+    assert planner.mean_survival is None and planner.draft_len(8) > 0 and planner._learning
+    for _ in range(4):
+        planner.observe_delivery(8, 12, 0.0100, drafting=True)  # 1,200 tokens/s against plain's 4,000
+    assert planner.draft_len(8) == 0 and not planner._learning

@@ -425,6 +425,11 @@ class Speculation:
             if host_s is not None:
                 self.planner.observe_host(host_s)
 
+    def observe_delivery(self, num_rows: int, tokens: int, seconds: float, drafting: bool) -> None:
+        """A decode step's tokens committed in its period (the verify planner judges drafting by them)."""
+        if self.planner is not None:
+            self.planner.observe_delivery(num_rows, tokens, seconds, drafting)
+
     def free(self, seqs, reason, flush: bool = True) -> None:
         """The drafter forgets these sequences (in batches: at its next call, or with flush when the
         engine has nothing left to run), and the workers the rows they kept of them. reason: one for

@@ -262,6 +262,14 @@ class VerifyPlanner:
         # step_cost again (kept, a burst of slow steps stopped drafting for good at batch 1, where it paid)
         self.drafting_ratio: dict[int, deque] = {}  # rows' power of 2 -> (step, ratio)
         self.ratio_horizon = 256
+        # what steps delivered: tokens committed per second of the engine's step period (from the last step's end
+        # to this one's: its drafter call, unhidden host time and all), drafting and plain, by rows' power of 2.
+        # Where drafting's recent steps delivered clearly less than plain decoding's at those rows, it stops there
+        # until they age out (ratio_horizon steps): the cost model's prediction, however it errs, is checked
+        # against the outcome (through Ray a fresh engine that learned at 8 rows believed drafting paid there by
+        # the model, and drafted at 0.53-0.63x of plain decoding, BENCHMARKS.md session 22)
+        self.delivered: dict[int, dict[bool, deque]] = {}  # rows' power of 2 -> drafting? -> (step, tokens/s)
+        self._deliveries = 0  # steps observe_delivery saw (every step: its clock)
         self._steps_seen = 0
         # before any outcome: a good drafter's acceptance at each position given the one before (DSpark's and
         # EAGLE's first positions read 0.7-0.8): the gate asks whether learning could pay off at this load, and
@@ -353,6 +361,8 @@ class VerifyPlanner:
             # is a guess too: a start-up profile taken on a loaded machine reads the drafter slow)
             measured = sum(len(q) for q in self.draft_cost.samples.values())
             k = self._prior_k(num_rows) if self.prior_acceptance is not None and measured >= 3 else self.k
+            if k and self.prior_acceptance is not None and self.delivery_vetoes(num_rows):
+                k = 0  # learning here delivered less than plain decoding (prior_acceptance None: learn at any load)
             if k == 0:
                 if self._explore_due():
                     self.exploring = True
@@ -367,8 +377,36 @@ class VerifyPlanner:
             self.exploring = True  # time to look again, on a few rows (at most explore_share of the time)
             return self.k
         k = self._memoised(self._memo, num_rows, self.mean_survival)
+        if k and self.delivery_vetoes(num_rows):
+            k = 0
         self._since_draft += k == 0
         return k
+
+    def observe_delivery(self, num_rows: int, tokens: int, seconds: float, drafting: bool) -> None:
+        """A step's delivery: the tokens it committed for num_rows rows in `seconds` of the engine's step period."""
+        self._deliveries += 1
+        if num_rows <= 0 or seconds <= 0:
+            return
+        b = int(round(math.log2(num_rows)))
+        q = self.delivered.setdefault(b, {True: deque(maxlen=9), False: deque(maxlen=9)})[bool(drafting)]
+        q.append((self._deliveries, tokens / seconds))
+
+    def delivery_vetoes(self, num_rows: int) -> bool:
+        """Whether drafting delivered less than plain decoding at this many rows (their power of 2) lately: the
+        median tokens/s of at least 4 drafting steps of the last ratio_horizon steps below 0.9 x that of plain
+        steps there (at least 3), or, without those, of num_rows / step_cost(num_rows). (The margin and the 4:
+        a drafting run's first steps catch its context up and run cold; vetoed on 3 at par, batch 1 through Ray,
+        where drafting pays 1.3-1.4x, stopped once in six fresh engines.)"""
+        got = self.delivered.get(int(round(math.log2(max(num_rows, 1)))))
+        if got is None:
+            return False
+        since = self._deliveries - self.ratio_horizon
+        draft = [v for t, v in got[True] if t > since]
+        if len(draft) < 4:
+            return False
+        plain = [v for t, v in got[False] if t > since]
+        ref = statistics.median(plain) if len(plain) >= 3 else num_rows / max(float(self.step_cost(num_rows)), 1e-9)
+        return statistics.median(draft) < 0.9 * ref
 
     def _explore_due(self) -> bool:
         """explore_every steps without drafting, and the last exploring step's cost at most explore_share of
