@@ -436,8 +436,9 @@ class LLMEngine:
                     step.early_host_s if step.early_host_s is not None
                     else stats["step_time_s"] - execute_time if self.async_scheduling else None,
                     num_rows=stats["num_seqs"], drafting=stats["num_drafted"] > 0)
-            if delivered[1] is not None and not any(s.num_new_tokens > 1 for sc in scheds for s in sc.scheduled):
-                # (decode steps only: a prompt chunk's step delivers little and says nothing of drafting)
+            if delivered[1] is not None and stats["num_tokens"] == stats["num_seqs"]:
+                # (decode steps only, a new token a row: a prompt chunk's step delivers little and says nothing of
+                # drafting)
                 self.speculation.observe_delivery(stats["num_seqs"], delivered[0], delivered[1],
                                                   stats["num_drafted"] > 0)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran

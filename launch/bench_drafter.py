@@ -9,7 +9,8 @@ block passes (context rows ingested from random target states, so no target runs
 Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bundled tiny-dspark (or
 --drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
 device's end). --dtypes: the target's model.dtype, which the drafter serves in (keys b<B>_p<P>[_<dtype>], no
-suffix for float32). `launch/bench_dspark.py` has
+suffix for float32); ops_a_round: the tensor operations of a serving round (4 new context rows a sequence, then
+a proposal). `launch/bench_dspark.py` has
 the drafter's cost inside a serving engine at batch 1 (its c); this one isolates the proposal by batch.
 """
 
@@ -32,6 +33,23 @@ from dspark_cluster.model.spec import load_spec  # noqa: E402
 from dspark_cluster.speculative.dspark_proposer import DSparkProposer  # noqa: E402
 from dspark_cluster.speculative.proposers import DraftRequest  # noqa: E402
 from dspark_cluster.speculative.records import ContextRows  # noqa: E402
+
+
+def ops_a_round(prop, reqs, g, new_rows: int = 4) -> int:
+    """Tensor operations of one serving round (aten ops as dispatched, `model.op_count`): `new_rows` committed
+    rows' states arrive for each sequence, then a proposal (their keys/values, the block forward, the Markov
+    steps). What a GPU would launch."""
+    from dspark_cluster.model.op_count import count_ops
+
+    nxt = []
+    for r in reqs:
+        rows = torch.randn(new_rows, prop.model.fc.in_features, generator=g).to(prop.device)
+        prop.ingest(ContextRows(torch.tensor([r.seq_id]), torch.tensor([r.length - 1]), torch.tensor([new_rows]),
+                                rows))
+        nxt.append(DraftRequest(r.seq_id, r.token_ids + [2] * new_rows, r.k))
+    with count_ops() as c:
+        prop.draft(nxt)
+    return sum(c.ops.values())
 
 
 def main() -> None:
@@ -72,9 +90,9 @@ def main() -> None:
                 prop.draft(reqs)
                 sync()
                 ts.append(time.perf_counter() - t)
-            res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts) * 1e3}
-            ms = res[f"b{B}{tag}"]["draft_ms"]
-            print(f"batch {B}, {passes} pass(es), {dtype}: {ms:.3f} ms a proposal", flush=True)
+            res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts) * 1e3, "ops_a_round": ops_a_round(prop, reqs, g)}
+            ms, ops = res[f"b{B}{tag}"]["draft_ms"], res[f"b{B}{tag}"]["ops_a_round"]
+            print(f"batch {B}, {passes} pass(es), {dtype}: {ms:.3f} ms a proposal; {ops} ops a round", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

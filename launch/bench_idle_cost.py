@@ -37,7 +37,7 @@ def main():
     torch.set_num_threads(1)
     prompts = read_prompts(DEFAULT_PROMPTS)
     # bench_schedule's engine configs: one thread, prefix caching off (the pairs repeat their prompts)
-    opts = argparse.Namespace(threads=1, no_prefix_cache=True, draft_passes="auto")
+    opts = argparse.Namespace(threads=1, no_prefix_cache=True)
     base, spec = config(opts), config(opts, "dspark", 6, "confidence")
     if args.placement:
         spec["speculative"]["placement"] = args.placement

@@ -62,7 +62,7 @@ def config(args, method=None, k=0, schedule="static") -> dict:
         cfg["speculative"] = {"method": method, "draft_model": str(ASSETS_DIR / DRAFTERS[method]), "num_tokens": k,
                               "schedule": schedule}
         if method == "dspark":
-            cfg["speculative"]["draft_passes"] = args.draft_passes
+            cfg["speculative"]["draft_passes"] = getattr(args, "draft_passes", "auto")
     return cfg
 
 

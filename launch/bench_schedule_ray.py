@@ -4,6 +4,8 @@
         [--poisson 0.5,1.25] [--poisson-requests 96] [--max-tokens 64] [--repeats 2] [--threads 1]
         [--placement auto|target|group] [--out FILE]
     python launch/bench_schedule_ray.py --batches 1,8 --poisson "" --repeats 1 --max-tokens 16   # smoke test
+    python launch/bench_schedule_ray.py --drafters dspark@target --batches 1,8 --poisson "" --repeats 6 --trace
+        # (--trace: each speculative policy's planner state before each load)
     python launch/bench_schedule_ray.py --drafters dspark@target,dspark@group,draft_model   # both DSpark placements
 
 The policies of launch/bench_schedule.py's confidence rows, each one engine on `executor: ray` (a Router
@@ -137,6 +139,17 @@ def figures(before: dict, after: dict, steps: list) -> dict:
     return out
 
 
+def trace_line(e: Engine, rep: int, name: str, batch: int, c0: dict) -> str:
+    """--trace: before a load, what the policy's planner holds (positions drafted so far, its mean survival and
+    refits, its drafting-step ratios, what it believes a drafter forward and a step cost by size)."""
+    cal = (ray_get(e.llm.router.stats.remote()).get("speculative") or {}).get("calibration") or {}
+    cost = cal.get("step_cost") or {}
+    steps = {t: round(1e3 * x, 2) for t, x in zip(cost.get("tokens", []), cost.get("live_s", []))}
+    return (f"  repeat {rep} {name}, before batch {batch}: drafted {c0['drafted']}, mean survival "
+            f"{cal.get('mean_survival')}, refits {cal.get('refits')}, drafting-step ratio "
+            f"{cal.get('drafting_step_ratio')}, draft forward ms {cal.get('draft_forward_ms')}, step ms {steps}")
+
+
 def paired_ratios(runs: dict) -> dict:
     """policy -> [tok/s per repeat] -> policy -> {per-repeat ratios to plain, their median and geometric mean}."""
     out = {}
@@ -193,6 +206,8 @@ def main():
     ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
                     choices=["auto", 1, 2], help="DSpark's speculative.draft_passes (auto: as the cluster's devices "
                     "resolve it, one on a CPU cluster)")
+    ap.add_argument("--trace", action="store_true", help="before each load, print each speculative policy's planner "
+                    "state (what it has drafted and believes)")
     ap.add_argument("--out", default=None, help="results as JSON")
     args = ap.parse_args()
     torch.set_num_threads(1)  # this process only submits and reads
@@ -238,6 +253,8 @@ def main():
                     for b in batches:
                         prompts = [held_out[i % len(held_out)] for i in range(b)]
                         c0 = e.counters()
+                        if args.trace and name != "plain":
+                            print(trace_line(e, rep, name, b, c0), flush=True)
                         runs[b][name].append(timed(e.llm, prompts, params))
                         best[b][name] = max(best[b][name], runs[b][name][-1])
                         d = {k: v - c0[k] for k, v in e.counters().items()}

@@ -20,6 +20,9 @@ time of 1 + BETA x (tokens - rows) decode steps and a drafter call of --budget-d
 CPU: BETA ~0.13, draft ~1.1), the recorded outcomes cut to it (--full-every N: every N-th round verified in full
 instead); ECE is then read on the rounds the simulated budget verified, as live. --bins J: each variant's reliability table at position J (0-based;
 the ECE's 10 equal-width bins: rounds, mean predicted survival, observed survival, and the bin's share of the ECE).
+--drift-parts N: each variant's mean predicted minus observed survival by position over N equal runs of the
+scored rounds (a level that moves with the stream). Each replay also prints the planner's observe time a step
+(scoring, refits, refreshes: what it costs the step loop).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import inspect
 import json
 import os
 import sys
+import time
 from functools import partial
 from typing import Optional
 
@@ -67,7 +71,7 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
         conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
         planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), "dspark", calibration=name, compare=(),
                                 **planner_kw)
-        start, verified, drafted = 0, 0, 0
+        start, verified, drafted, observe_s = 0, 0, 0, []
         for n in rounds["step_rows"].tolist():
             c, v, a = conf[start : start + n], ver[start : start + n], acc[start : start + n]
             if budget is not None:
@@ -79,12 +83,16 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
                 v = np.minimum(v, lengths)
                 a = np.minimum(a, v)
             verified, drafted = verified + int(v.sum()), drafted + int((~np.isnan(c)).sum())
-            planner.observe(c, v, a)
+            t = time.perf_counter()
+            planner.observe(c, v, a)  # (scoring, refits and refreshes: the planner's work in the step loop)
+            observe_s.append(time.perf_counter() - t)
             start += n
         live = list(planner.live)
         preds = np.array([x[1][planner.methods.index(name)] for x in live])
         ver, acc = (np.array([x[i] for x in live]) for i in (2, 3))
-        return {**planner.calibration_report(floors=True), "verified_share": verified / max(drafted, 1)}, (preds, ver, acc)
+        cost = {"observe_ms_mean": 1e3 * float(np.mean(observe_s)), "observe_ms_max": 1e3 * float(np.max(observe_s))}
+        return ({**planner.calibration_report(floors=True), "verified_share": verified / max(drafted, 1), **cost},
+                (preds, ver, acc))
     finally:
         confidence.CALIBRATIONS.clear()
         confidence.CALIBRATIONS.update(patched)
@@ -129,6 +137,18 @@ def replay_unseen(rounds: dict, variant: str) -> dict:
             "rounds_by_position": [int((ver[idx] > j).sum()) for j in range(conf.shape[1])]}
 
 
+def bias_by_part(a: np.ndarray, verified: np.ndarray, accepted: np.ndarray, parts: int) -> list[list[float]]:
+    """Mean predicted minus observed survival [parts][K] of the scored rounds (in the order they ran) cut into
+    `parts` equal runs: a calibration's error that moves with the stream shows as a level that changes sign."""
+    observed, survived = confidence.outcomes(verified, accepted, a.shape[1])
+    out = []
+    for idx in np.array_split(np.arange(len(a)), parts):
+        o, y = observed[idx], survived[idx]
+        out.append([float((a[idx, j][o[:, j]] - y[o[:, j], j]).mean()) if o[:, j].any() else float("nan")
+                    for j in range(a.shape[1])])
+    return out
+
+
 def reliability(a: np.ndarray, verified: np.ndarray, accepted: np.ndarray, j: int, num_bins: int = 10) -> list[dict]:
     """Position j's reliability table (the bins `confidence.ece` sums over): survival predictions a [R, K]
     on the rounds that verified position j."""
@@ -163,6 +183,8 @@ def main():
                     help="simulate the verify budget's censoring on uncensored rounds (see above)")
     ap.add_argument("--budget-draft", type=float, default=1.1, help="the drafter call, in decode steps")
     ap.add_argument("--full-every", type=int, default=0, help="with --budget: every N-th round verified in full")
+    ap.add_argument("--drift-parts", type=int, default=0,
+                    help="each variant's mean predicted - observed survival by position over this many runs of rounds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.budget is not None and args.unseen_prompts:
@@ -198,6 +220,14 @@ def main():
                           f"{sum(r['brier_by_method']['raw']):.4f}")
                 print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
                       f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
+                out[path][v].update({k: r[k] for k in ("observe_ms_mean", "observe_ms_max")})
+                print(f"    the planner's observe: {r['observe_ms_mean']:.3f} ms a step on average, "
+                      f"{r['observe_ms_max']:.1f} ms at most", flush=True)
+            if args.drift_parts:
+                out[path][v]["bias_by_part"] = bias_by_part(*scored, args.drift_parts)
+                for i, row in enumerate(out[path][v]["bias_by_part"]):
+                    points = " ".join(f"{100 * x:+.1f}" for x in row)
+                    print(f"    part {i + 1}: predicted - observed, points: {points}")
             if args.bins is not None:
                 out[path][v]["bins"] = reliability(*scored, args.bins)
                 print(f"    position {args.bins}:")

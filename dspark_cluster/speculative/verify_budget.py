@@ -39,6 +39,11 @@ from .confidence import (CALIBRATIONS, DRIFT_ROUNDS, REFRESHES, apply_calibratio
                          ece_by_position, fit_calibration, identity_params, survival)
 
 
+def row_bucket(num_rows: int) -> int:
+    """The power of 2 nearest num_rows (its log2): the loads the cost and delivery figures are kept by."""
+    return int(round(math.log2(max(num_rows, 1))))
+
+
 def choose_verify_lengths(a: np.ndarray, base_tokens: int, base_expected: float,
                           step_time: Callable[[np.ndarray], np.ndarray], draft_s: float = 0.0) -> np.ndarray:
     """Greedy prefix admission.
@@ -182,7 +187,7 @@ class DraftCost:
     def observe(self, num_rows: int, forwards: int, seconds: float) -> None:
         if num_rows <= 0 or forwards <= 0:
             return
-        b = int(round(math.log2(num_rows)))
+        b = row_bucket(num_rows)
         q = self.samples.setdefault(b, deque(maxlen=self.window))
         q.append(seconds / forwards)
         self.per_forward[b] = statistics.median(q)
@@ -315,11 +320,16 @@ class VerifyPlanner:
         kept = (j < acc[:, None]).sum(0)
         return (kept + 1.0) / (tried + 2.0)
 
-    def _arrays(self):
-        conf = np.array([w[0] for w in self.window])
-        ver = np.array([w[1] for w in self.window])
-        acc = np.array([w[2] for w in self.window])
-        return conf, ver, acc
+    def _arrays(self, last: Optional[int] = None):
+        """The window's rounds (or its latest `last`) as (conf [R, K], verified [R], accepted [R])."""
+        start = 0 if last is None else max(0, len(self.window) - last)
+        rows = list(itertools.islice(self.window, start, None))
+        return np.array([w[0] for w in rows]), np.array([w[1] for w in rows]), np.array([w[2] for w in rows])
+
+    def _fit_confidences(self, conf: np.ndarray) -> np.ndarray:
+        """What a fit reads as confidences: an n-gram drafter's are the window's acceptance rates (as they were
+        when each round ran), the others' their own."""
+        return np.where(np.isnan(conf), np.nan, self._rates[None, :]) if self.method == "ngram" else conf
 
     def _set_methods(self, calibration: str, compare) -> None:
         for m in (calibration, *compare):
@@ -387,9 +397,8 @@ class VerifyPlanner:
         self._deliveries += 1
         if num_rows <= 0 or seconds <= 0:
             return
-        b = int(round(math.log2(num_rows)))
-        q = self.delivered.setdefault(b, {True: deque(maxlen=9), False: deque(maxlen=9)})[bool(drafting)]
-        q.append((self._deliveries, tokens / seconds))
+        by_kind = self.delivered.setdefault(row_bucket(num_rows), {True: deque(maxlen=9), False: deque(maxlen=9)})
+        by_kind[bool(drafting)].append((self._deliveries, tokens / seconds))
 
     def delivery_vetoes(self, num_rows: int) -> bool:
         """Whether drafting delivered less than plain decoding at this many rows (their power of 2) lately: the
@@ -397,7 +406,7 @@ class VerifyPlanner:
         steps there (at least 3), or, without those, of num_rows / step_cost(num_rows). (The margin and the 4:
         a drafting run's first steps catch its context up and run cold; vetoed on 3 at par, batch 1 through Ray,
         where drafting pays 1.3-1.4x, stopped once in six fresh engines.)"""
-        got = self.delivered.get(int(round(math.log2(max(num_rows, 1)))))
+        got = self.delivered.get(row_bucket(num_rows))
         if got is None:
             return False
         since = self._deliveries - self.ratio_horizon
@@ -475,7 +484,7 @@ class VerifyPlanner:
         if drafting and num_rows > 0:
             ratio = min(max(seconds / max(float(self.step_cost(num_tokens)), 1e-9), 0.5), 3.0)
             before = self._drafting_ratio(num_rows)
-            q = self.drafting_ratio.setdefault(int(round(math.log2(num_rows))), deque(maxlen=9))
+            q = self.drafting_ratio.setdefault(row_bucket(num_rows), deque(maxlen=9))
             q.append((self._steps_seen, ratio))
             if abs(self._drafting_ratio(num_rows) - before) > 0.05 * before:
                 self._memo.clear()
@@ -539,9 +548,8 @@ class VerifyPlanner:
         methods = [m for m in self.methods if m in REFRESHES]
         if not methods:
             return
-        tail = list(itertools.islice(self.window, max(0, len(self.window) - DRIFT_ROUNDS), None))
-        conf = np.array([w[0] for w in tail])
-        ver, acc = np.array([w[1] for w in tail]), np.array([w[2] for w in tail])
+        conf, ver, acc = self._arrays(DRIFT_ROUNDS)
+        conf = self._fit_confidences(conf)
         for m in methods:  # (the draft length's mean survival stays the refit's: it reads the whole window)
             self.params[m] = REFRESHES[m](self.params[m], conf, ver, acc)
 
@@ -556,8 +564,7 @@ class VerifyPlanner:
     def refit(self) -> None:
         conf, ver, acc = self._arrays()
         self._rates = self._position_rates(ver, acc)
-        if self.method == "ngram":  # its confidences are those rates: as they were when each round ran
-            conf = np.where(np.isnan(conf), np.nan, self._rates[None, :])
+        conf = self._fit_confidences(conf)
         # the compared methods (reports only) at most every compare_refit_every rounds: STS's grid is most of a
         # refit's time (~14 of ~21 ms at 4000 rounds), and a refit holds up the step loop it runs in
         compare = not self.fitted or self._since_compare >= self.compare_refit_every
