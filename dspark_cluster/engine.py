@@ -39,6 +39,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative.controller import Speculation
+from .speculative.dspark_model import prefix_recompute_rows
 from .step import StepInput, StepOutput
 from .step_builder import build_step_input, expert_capacity
 from .worker import WorkerConfig
@@ -132,9 +133,9 @@ class LLMEngine:
             for _ in range(self.num_groups)
         ]
         if self.speculation is not None and cfg.speculative.method == "dspark":
-            window = WorkerConfig.of(cfg).context_window  # a DSpark drafter reads the latest rows of its context
+            recompute = prefix_recompute_rows(WorkerConfig.of(cfg).context_window)
             for g in self.schedulers:
-                g.speculative_window = window
+                g.speculative_recompute = recompute
         self.balancer = None
         if self.spec.is_moe:
             self.balancer = ExpertBalancer(cfg, sum(self.spec.moe_layers), self.spec.num_experts,

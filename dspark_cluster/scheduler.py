@@ -66,10 +66,12 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         # prefix caching: prompt tokens looked up at admission, and those found cached
         self.prefix_cache_queries = self.prefix_cache_hits = 0
-        # DSpark drafts from the target's states of the latest `speculative_window` context tokens (its
-        # context_window), which a cached prefix does not produce: a request that speculates takes cached
-        # blocks only up to that many tokens before its prompt's end (the engine sets it; None: no limit)
-        self.speculative_window: Optional[int] = None
+        # DSpark drafts from the target's states of its context tokens, which a cached prefix does not
+        # produce: while this step drafts (lookahead > 0), a request that speculates takes cached blocks only up
+        # to `speculative_recompute` tokens before its prompt's end, so its drafter has that many rows from its
+        # first block (the engine sets it; None: no limit). At a load that drafts nothing it takes every cached
+        # block, as plain decoding: if drafting resumes for it, its drafter's context starts at its prompt's end
+        self.speculative_recompute: Optional[int] = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -183,9 +185,9 @@ class Scheduler:
         if seq.num_computed_tokens or not self.blocks.prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # (prompt log-probabilities need every position's law)
         limit = seq.num_tokens - 1
-        if self.speculative_window is not None and seq.params.speculative:
-            # the window's rows are computed (a run of at least a window past the gap: the drafter resyncs)
-            limit = max(0, limit - self.speculative_window)
+        if (self.speculative_recompute is not None and seq.params.speculative and self.speculation_enabled
+                and self.lookahead > 0):
+            limit = max(0, limit - self.speculative_recompute)  # (its drafter's context starts past the cached blocks)
         cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids, limit)
         seq.num_computed_tokens = cached
         return cached

@@ -2,6 +2,7 @@
 
     python launch/bench_dspark.py [--threads 1] [--max-tokens 64] [--prompts 16] [--dtype float32] [--tau-only]
     python launch/bench_dspark.py --ablation no-markov=/tmp/no-markov --ablation no-confidence=/tmp/no-conf
+    python launch/bench_dspark.py --tau-only --context-windows 512,32,16   # tau by the rows a block reads
 
 Reports, in one run:
 1. tau (tokens per verify round) at k = 4 of tiny-dspark and tiny-draft (and any --ablation drafters),
@@ -43,8 +44,10 @@ def timed(llm, prompts, params):
     return time.perf_counter() - t0, outs
 
 
-def spec_llm(args, method, draft, k):
+def spec_llm(args, method, draft, k, context_window=None):
     sp = {"method": method, "draft_model": draft, "num_tokens": k, "schedule": "static"}
+    if context_window:
+        sp["context_window"] = context_window
     if method == "dspark":  # the passes the drafter was trained for, or fewer (--draft-passes)
         own = DSparkConfig.load(Path(draft) / "config.json").draft_passes
         sp["draft_passes"] = min(own, args.draft_passes or own)
@@ -63,6 +66,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau-only", action="store_true", help="only part 1")
+    ap.add_argument("--context-windows", default="", help="part 1 also with tiny-dspark reading at most these many "
+                    "context rows a block (speculative.context_window), e.g. 32,16")
     ap.add_argument("--dtype", default="float32", help="model.dtype of the speculative engines (the DSpark drafter "
                     "serves in it too)")
     ap.add_argument("--draft-passes", type=int, default=None,
@@ -77,11 +82,12 @@ def main():
     # 1. tau at k = 4
     drafters = [("tiny-draft", "draft_model", args.draft), ("tiny-dspark", "dspark", args.dspark)]
     drafters += [(a.split("=", 1)[0], "dspark", a.split("=", 1)[1]) for a in args.ablation]
+    drafters += [(f"tiny-dspark W={w}", "dspark", args.dspark, int(w)) for w in args.context_windows.split(",") if w]
     print("\n| drafter | temp | tau (k=4) | vs tiny-draft | acceptance by position | mean confidence by position |")
     print("|---|---|---|---|---|---|")
     base_tau = {}
-    for name, method, path in drafters:
-        llm = spec_llm(args, method, path, 4)
+    for name, method, path, *window in drafters:
+        llm = spec_llm(args, method, path, 4, *window)
         for temp in (0.0, 1.0):
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=i if temp else None,
                                      ignore_eos=True) for i in range(len(prompts))]

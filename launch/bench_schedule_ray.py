@@ -141,13 +141,15 @@ def figures(before: dict, after: dict, steps: list) -> dict:
 
 def trace_line(e: Engine, rep: int, name: str, batch: int, c0: dict) -> str:
     """--trace: before a load, what the policy's planner holds (positions drafted so far, its mean survival and
-    refits, its drafting-step ratios, what it believes a drafter forward and a step cost by size)."""
+    refits, its drafting-step ratios, what it believes a drafter forward and a step cost by size, the prior gate's
+    predicted gain by rows)."""
     cal = (ray_get(e.llm.router.stats.remote()).get("speculative") or {}).get("calibration") or {}
     cost = cal.get("step_cost") or {}
     steps = {t: round(1e3 * x, 2) for t, x in zip(cost.get("tokens", []), cost.get("live_s", []))}
     return (f"  repeat {rep} {name}, before batch {batch}: drafted {c0['drafted']}, mean survival "
             f"{cal.get('mean_survival')}, refits {cal.get('refits')}, drafting-step ratio "
-            f"{cal.get('drafting_step_ratio')}, draft forward ms {cal.get('draft_forward_ms')}, step ms {steps}")
+            f"{cal.get('drafting_step_ratio')}, draft forward ms {cal.get('draft_forward_ms')}, step ms {steps}, "
+            f"prior gain {cal.get('prior_gain')}")
 
 
 def paired_ratios(runs: dict) -> dict:

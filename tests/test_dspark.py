@@ -94,17 +94,61 @@ def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint
                               tokens[:, anchor:anchor + 1], torch.tensor([[anchor]]), prev[None, None])
     torch.testing.assert_close(zr[0, 0, :4], base[0, :4] + bias, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.sigmoid(cr[0, 0, :4]), confs[0], atol=1e-4, rtol=1e-4)
-    # a later chunk that arrives before an earlier one waits for it; a recompute rewrites history
+    # a sequence's first rows start its context (past a cached prefix, after 0); earlier ones arriving after
+    # them (a drafter actor takes rows on two threads) start it instead, the others waiting behind, in any order;
+    # a recompute rewrites history
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([4]), torch.tensor([2]), hidden[0, 4:6]))
-    assert prop.ctx[8].length == 0 and 4 in prop.ctx[8].pending
-    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([4]), hidden[0, :4]))
-    assert prop.ctx[8].length == 6 and not prop.ctx[8].pending
+    assert (prop.ctx[8].first_row, prop.ctx[8].length) == (4, 6)
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([2]), torch.tensor([2]), hidden[0, 2:4]))
+    assert (prop.ctx[8].first_row, prop.ctx[8].length) == (2, 6) and not prop.ctx[8].pending
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([6]), torch.tensor([2]), hidden[0, 6:8]))
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([1]), hidden[0, :1]))
+    assert (prop.ctx[8].first_row, prop.ctx[8].length) == (0, 1) and sorted(prop.ctx[8].pending) == [2, 4, 6]
+    prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([1]), torch.tensor([1]), hidden[0, 1:2]))
+    assert prop.ctx[8].length == 8 and not prop.ctx[8].pending
+    prop._materialize([8])
+    torch.testing.assert_close(prop.ctx[8].k[0][:8], prop.model.layers[0].context_kv(
+        prop.model.fuse(hidden[0, :8]), prop.model.rope(torch.arange(8)))[0])
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([0]), torch.tensor([3]), hidden[0, :3]))
     assert prop.ctx[8].length == 3
     # rows that arrive after their sequence was freed are dropped (no memory held for ever)
     prop.free([8])
     prop.ingest(ContextRows(torch.tensor([8]), torch.tensor([3]), torch.tensor([1]), hidden[0, 3:4]))
     assert 8 not in prop.ctx
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_context_that_starts_past_a_cached_prefix_reads_no_row_before_it(passes, checkpoint, drafters):
+    """A request that took cached blocks computes only its prompt's latest rows: its drafter's context starts
+    there. Its blocks, alone or batched with others, draft as a drafter holding every row would with a window
+    that ends at that row (the rows before it unread: here garbage), at the window of 512 the config gives."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    target = checkpoint("qwen3_moe")
+    spec, path = load_spec(str(target), "float32"), drafters("qwen3_moe", draft_passes=passes)
+    cached = DSparkProposer(path, str(target), spec, num_tokens=4, context_window=512, draft_passes=passes)
+    torch.manual_seed(2)
+    p, L = 24, 37  # cached prefix, context length (the anchor's position)
+    rows, tokens = torch.randn(L, 2 * 64), torch.randint(2, 160, (L + 1,)).tolist()
+    cached.ingest(ContextRows(torch.tensor([1, 2]), torch.tensor([p, 0]), torch.tensor([L - p, 9]),
+                              torch.cat([rows[p:], torch.randn(9, 2 * 64)])))
+    assert cached.ctx[1].first_row == p and cached.resyncs == 0  # (a start, not a gap)
+    _, (alone, conf, _) = cached.draft([DraftRequest(1, tokens, 4)])
+    _, (batched, conf_b, _) = cached.draft([DraftRequest(2, tokens[:10], 4), DraftRequest(1, tokens, 4)])
+    for window in (L - p, 512):  # every row held: the rows before p garbage, a window that stops at p reads none
+        full = DSparkProposer(path, str(target), spec, num_tokens=4, context_window=window, draft_passes=passes)
+        full.ingest(ContextRows(torch.tensor([1]), torch.tensor([0]), torch.tensor([L]),
+                                torch.cat([100 * torch.randn(p, 2 * 64), rows[p:]])))
+        _, (want, want_conf, _) = full.draft([DraftRequest(1, tokens, 4)])
+        if window == L - p:
+            assert alone[0].tolist() == want[0].tolist() == batched[1].tolist()
+            torch.testing.assert_close(conf[0], want_conf[0])
+            torch.testing.assert_close(conf_b[1], want_conf[0], atol=1e-5, rtol=1e-5)
+        else:  # reading the garbage changes the block (so the test above can tell)
+            assert not torch.allclose(conf[0], want_conf[0])
 
 
 @pytest.mark.parametrize("passes", [1, 2])

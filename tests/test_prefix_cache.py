@@ -93,15 +93,17 @@ def test_eviction_and_preemption_under_pressure_keep_outputs():
         off.shutdown()
 
 
-@pytest.mark.parametrize("placement", ["target", "group"])
-def test_a_dspark_request_caches_up_to_its_context_window_before_the_prompts_end(placement):
-    """DSpark drafts from the target's states of the latest context_window context tokens: a request that
-    speculates takes cached blocks only up to that many tokens before its prompt's end, computes the rest
-    (the drafter resyncs on that run past the gap), and its output is plain decoding's."""
+@pytest.mark.parametrize("placement,window", [("target", 32), ("group", 32), ("target", "auto"), ("group", "auto")])
+def test_a_dspark_request_caches_up_to_32_tokens_before_the_prompts_end(placement, window):
+    """DSpark drafts from the target's states of its context tokens, which a cached prefix does not produce:
+    a request that speculates takes cached blocks only up to 32 tokens before its prompt's end (the context
+    window, if smaller: PREFIX_RECOMPUTE_ROWS) and computes the rest; its drafter's context starts there (its
+    blocks read no row before: with the window of 512 of tiny-dspark's config, fewer rows than the window),
+    it drafts, and its output is plain decoding's."""
     prompts = shared_prompts(3)  # 96 shared tokens, then each its own (106 in all)
     cfg = {"scheduler": {"block_size": 16, "num_kv_blocks": 256},
            "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "schedule": "static",
-                           "context_window": 32, "placement": placement}}
+                           "context_window": window, "placement": placement}}
     base = LLM(TINY, config={"scheduler": {"block_size": 16, "num_kv_blocks": 256, "prefix_caching": False}})
     want = [o.token_ids for o in base.generate(prompts, GREEDY)]
     base.shutdown()
@@ -110,7 +112,7 @@ def test_a_dspark_request_caches_up_to_its_context_window_before_the_prompts_end
         first = llm.generate(prompts[:1], GREEDY)[0]
         assert first.metrics["num_cached_tokens"] == 0
         outs = llm.generate(prompts[1:], GREEDY)
-        # 105 tokens before the last, less the window of 32: 73, i.e. 4 whole blocks of the shared 96
+        # 105 tokens before the last, less 32: 73, i.e. 4 whole blocks of the shared 96
         assert [o.metrics["num_cached_tokens"] for o in outs] == [64, 64]
         assert [first.token_ids] + [o.token_ids for o in outs] == want
         assert all(o.metrics["num_draft_tokens"] > 0 for o in outs)
@@ -118,10 +120,37 @@ def test_a_dspark_request_caches_up_to_its_context_window_before_the_prompts_end
         llm.shutdown()
 
 
-def test_speculative_requests_and_prompt_logprobs_skip_the_cache():
-    """DSpark drafts from the target's states of its latest context_window (512 here) context tokens,
-    and prompt log-probabilities need every position's law: such requests compute their whole prompt
-    (shorter than the window); the others still reuse."""
+@pytest.mark.parametrize("placement", ["target", "group"])
+def test_a_dspark_request_admitted_while_nothing_drafts_takes_every_cached_block(placement):
+    """At a load where the confidence schedule drafts nothing a speculating request takes every cached block,
+    as plain decoding (recomputing its prompt's last 32 tokens there was a cost for no drafts: through Ray,
+    prefix caching on, DSpark read 0.76x of plain at 8 rows and 0.83x at 64, drafting nothing); when drafting
+    resumes its drafter's context starts at the prompt's end, and outputs are plain decoding's."""
+    from test_idle_drafter import PatternPlanner
+
+    prompts = shared_prompts(3)
+    sched = {"block_size": 16, "num_kv_blocks": 256}
+    base = LLM(TINY, config={"scheduler": {**sched, "prefix_caching": False}})
+    want = [o.token_ids for o in base.generate(prompts, GREEDY)]
+    base.shutdown()
+    llm = LLM(TINY, config={"scheduler": sched, "speculative": {
+        "method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4, "schedule": "confidence",
+        "placement": placement}})
+    try:
+        planner = llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * 3 + [4] * 200)
+        first = llm.generate(prompts[:1], GREEDY)[0]
+        planner.calls = 0
+        outs = llm.generate(prompts[1:], GREEDY)
+        assert [o.metrics["num_cached_tokens"] for o in outs] == [96, 96]  # every shared block
+        assert [first.token_ids] + [o.token_ids for o in outs] == want
+        assert all(o.metrics["num_draft_tokens"] > 0 for o in outs)
+    finally:
+        llm.shutdown()
+
+
+def test_prompt_logprobs_skip_the_cache_and_speculative_requests_recompute_32_tokens():
+    """Prompt log-probabilities need every position's law: such requests compute their whole prompt; a DSpark
+    request its last 32 tokens (the test above); the others reuse every cached block."""
     prompts = shared_prompts(3)
     cfg = {"scheduler": {"block_size": 16, "num_kv_blocks": 256},
            "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "schedule": "static"}}
@@ -129,7 +158,7 @@ def test_speculative_requests_and_prompt_logprobs_skip_the_cache():
     try:
         llm.generate(prompts[:1], GREEDY)
         spec = llm.generate(prompts[1:2], GREEDY)[0]
-        assert spec.metrics["num_cached_tokens"] == 0 and spec.metrics["num_draft_tokens"] > 0
+        assert spec.metrics["num_cached_tokens"] == 64 and spec.metrics["num_draft_tokens"] > 0
         plain = llm.generate(prompts[2:], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, speculative=False))
         assert plain[0].metrics["num_cached_tokens"] == 96
         lp = llm.generate(prompts[1:2], SamplingParams(max_tokens=2, temperature=0, speculative=False, prompt_logprobs=0))[0]

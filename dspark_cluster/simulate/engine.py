@@ -28,6 +28,7 @@ from .. import eplb
 from ..kv_cache import BlockManager, kv_budget_bytes
 from ..model.spec import ModelSpec
 from ..placement import default_placement, placement_from_phy2log
+from ..speculative.dspark_model import prefix_recompute_rows
 from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..speculative.drafting import SpecStats
@@ -114,8 +115,9 @@ class SimEngine:
         self.schedulers = [Scheduler(BlockManager(self.num_blocks, sc.block_size, sc.prefix_caching), sc.max_num_seqs,
                                      sc.max_num_batched_tokens, self.max_model_len, lookahead)
                            for _ in range(self.num_groups)]
-        for g in self.schedulers:  # as the engine: a DSpark drafter reads the latest context_window rows
-            g.speculative_window = drafter.context_window if self.speculating and sp.method == "dspark" else None
+        for g in self.schedulers:  # as the engine: a DSpark request computes its prompt's latest rows past a cached prefix
+            g.speculative_recompute = (prefix_recompute_rows(drafter.context_window)
+                                       if self.speculating and sp.method == "dspark" else None)
         mode = opts.async_scheduling
         self.async_host = (p.executor == "ray" if sc.async_scheduling == "auto" else bool(sc.async_scheduling)) \
             if mode == "auto" else mode == "on"

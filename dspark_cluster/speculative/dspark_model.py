@@ -79,6 +79,15 @@ class DSparkConfig:
 
 
 DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calibration trains a round on
+# the prompt tokens a speculating request computes past its cached prefix, for its drafter's first blocks: tau
+# read 3.16 / 2.89 (greedy / temperature 1) with 512 context rows, 3.09 / 2.93 with 32, 3.14 / 2.83 with 16,
+# 3.02 / 2.73 with 8 (BENCHMARKS.md session 23; recomputing the whole window cost DSpark requests the prefix cache)
+PREFIX_RECOMPUTE_ROWS = 32
+
+
+def prefix_recompute_rows(context_window: int) -> int:
+    """Scheduler.speculative_recompute for a DSpark drafter reading `context_window` rows a block."""
+    return min(int(context_window), PREFIX_RECOMPUTE_ROWS)
 
 
 def resolve_draft_passes(setting, c: DSparkConfig, path="", device="auto") -> int:

@@ -46,6 +46,7 @@ class _Context:
     kept: list = field(default_factory=list)  # (start, rows)
     rounds: list = field(default_factory=list)  # RoundRecords
     kept_from: int = 0  # the position of the first kept row (past a resync's gap)
+    first_row: int = 0  # the first position with a row: a block reads none before it (a cached prefix, a resync)
 
 
 def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
@@ -120,8 +121,18 @@ class DSparkProposer:
         for sid, start, hidden in rows:
             if sid in self._freed:  # a finished sequence's last rows, arriving after its free()
                 continue
-            st = self.ctx.setdefault(sid, _Context())
-            if start > st.length and hidden.shape[0] >= self.window:
+            st = self.ctx.get(sid)
+            if st is None:  # a sequence's first rows: past a cached prefix they start after 0 (the target
+                # computed only its prompt's latest rows: Scheduler.speculative_recompute); its blocks read none before
+                st = self.ctx[sid] = _Context()
+                if start > 0:
+                    self._resync(st, start, count=hidden.shape[0] >= self.window)
+            elif start < st.first_row and st.kv_length == st.first_row and not st.lost:
+                # rows before the first ones taken, arriving after them (a drafter actor takes rows on two
+                # threads), before any block read them: the context starts here, the rows taken wait behind
+                st.pending.update(st.raw)
+                self._resync(st, start, count=False)
+            elif start > st.length and hidden.shape[0] >= self.window:
                 # a gap, then at least a window of rows (a worker's kept rows, sent once drafting resumes):
                 # no block past them reads a row before the gap again
                 self._resync(st, start)
@@ -142,21 +153,21 @@ class DSparkProposer:
                 if st is not None and not st.lost:
                     st.rounds.append(r)
 
-    def _resync(self, st: _Context, start: int) -> None:
-        """Continue at `start` past missing rows: what came before is out of every later block's window
-        (keys/values of positions below `start` stay where they are, never read again)."""
+    def _resync(self, st: _Context, start: int, count: bool = True) -> None:
+        """Continue at `start` past missing rows: no later block reads a row before it (keys/values of
+        positions below `start` stay where they are, never read again)."""
         st.raw, st.pending = [], {k: v for k, v in st.pending.items() if k > start}
-        st.kv_length = st.length = start
+        st.kv_length = st.length = st.first_row = start
         st.lost = False
         if self.calibrate:  # calibration reads the rows from here on, and rounds anchored past them
             st.kept, st.rounds, st.kept_from = [], [], start
-        self.resyncs += 1
+        self.resyncs += count
 
     def _append(self, st: _Context, start: int, hidden) -> None:
         """Take rows at positions start.. (dropping anything after: a recompute rewrites history)."""
         if start < st.length:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
-            st.kv_length = min(st.kv_length, start)
+            st.kv_length, st.first_row = min(st.kv_length, start), min(st.first_row, start)
             st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
         if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
             st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
@@ -278,11 +289,12 @@ class DSparkProposer:
         self._materialize([r.seq_id for r in requests])
         B = len(requests)
         lens = [r.length - 1 for r in requests]  # context length = the anchor's position
-        los = [max(0, n - self.window) for n in lens]  # the window: context rows lo .. len - 1
+        states = [self.ctx[r.seq_id] for r in requests]
+        # the window: context rows lo .. len - 1, none before the sequence's first row
+        los = [max(st.first_row, n - self.window) for st, n in zip(states, lens)]
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
         qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
-        states = [self.ctx[r.seq_id] for r in requests]
         layers = range(len(self.model.layers))
         first, lo0, n0 = states[0], los[0], lens[0]
         # (rows past the anchor, where held, stay unwritten; _materialize keeps the S rows' capacity)

@@ -39,6 +39,11 @@ from .confidence import (CALIBRATIONS, DRIFT_ROUNDS, REFRESHES, apply_calibratio
                          ece_by_position, fit_calibration, identity_params, survival)
 
 
+# the rows a load's drafting steps must hold before what they delivered can stop drafting there
+# (VerifyPlanner.delivery_vetoes)
+VETO_ROUNDS = 32
+
+
 def row_bucket(num_rows: int) -> int:
     """The power of 2 nearest num_rows (its log2): the loads the cost and delivery figures are kept by."""
     return int(round(math.log2(max(num_rows, 1))))
@@ -273,7 +278,7 @@ class VerifyPlanner:
         # until they age out (ratio_horizon steps): the cost model's prediction, however it errs, is checked
         # against the outcome (through Ray a fresh engine that learned at 8 rows believed drafting paid there by
         # the model, and drafted at 0.53-0.63x of plain decoding, BENCHMARKS.md session 22)
-        self.delivered: dict[int, dict[bool, deque]] = {}  # rows' power of 2 -> drafting? -> (step, tokens/s)
+        self.delivered: dict[int, dict[bool, deque]] = {}  # rows' power of 2 -> drafting? -> (step, rows, tokens, s)
         self._deliveries = 0  # steps observe_delivery saw (every step: its clock)
         self._steps_seen = 0
         # before any outcome: a good drafter's acceptance at each position given the one before (DSpark's and
@@ -397,25 +402,29 @@ class VerifyPlanner:
         self._deliveries += 1
         if num_rows <= 0 or seconds <= 0:
             return
-        by_kind = self.delivered.setdefault(row_bucket(num_rows), {True: deque(maxlen=9), False: deque(maxlen=9)})
-        by_kind[bool(drafting)].append((self._deliveries, tokens / seconds))
+        by_kind = self.delivered.get(row_bucket(num_rows))
+        if by_kind is None:  # drafting: enough steps for VETO_ROUNDS rows at 1 row a step
+            by_kind = self.delivered[row_bucket(num_rows)] = {True: deque(maxlen=VETO_ROUNDS), False: deque(maxlen=9)}
+        by_kind[bool(drafting)].append((self._deliveries, num_rows, tokens, seconds))
 
     def delivery_vetoes(self, num_rows: int) -> bool:
         """Whether drafting delivered less than plain decoding at this many rows (their power of 2) lately: the
-        median tokens/s of at least 4 drafting steps of the last ratio_horizon steps below 0.9 x that of plain
-        steps there (at least 3), or, without those, of num_rows / step_cost(num_rows). (The margin and the 4:
-        a drafting run's first steps catch its context up and run cold; vetoed on 3 at par, batch 1 through Ray,
-        where drafting pays 1.3-1.4x, stopped once in six fresh engines.)"""
+        drafting steps of the last ratio_horizon steps, once they hold VETO_ROUNDS rows in all, delivered fewer
+        tokens per second (their tokens over their seconds) than 0.9 x the plain steps' median there (at least 3
+        of them), or, without those, than num_rows / step_cost(num_rows). (Evidence in rows, not steps: a
+        step's tokens vary with its rows' acceptance, from 1 to k + 1 a row, so one row's steps need many to
+        say anything, 8 rows' a few. Counted in steps, 4 drafting steps at batch 1 that met a hard stretch of
+        text, 1-3 tokens each, stopped drafting in process for the next 256 steps where it paid 1.7x.)"""
         got = self.delivered.get(row_bucket(num_rows))
         if got is None:
             return False
         since = self._deliveries - self.ratio_horizon
-        draft = [v for t, v in got[True] if t > since]
-        if len(draft) < 4:
+        draft = [x for x in got[True] if x[0] > since]
+        if sum(x[1] for x in draft) < VETO_ROUNDS:
             return False
-        plain = [v for t, v in got[False] if t > since]
+        plain = [x[2] / x[3] for x in got[False] if x[0] > since]
         ref = statistics.median(plain) if len(plain) >= 3 else num_rows / max(float(self.step_cost(num_rows)), 1e-9)
-        return statistics.median(draft) < 0.9 * ref
+        return sum(x[2] for x in draft) / sum(x[3] for x in draft) < 0.9 * ref
 
     def _explore_due(self) -> bool:
         """explore_every steps without drafting, and the last exploring step's cost at most explore_share of
@@ -425,8 +434,11 @@ class VerifyPlanner:
 
     def _prior_k(self, num_rows: int) -> int:
         """_best_k at the prior survival (no outcomes yet), every step size at the plain step's correction (no
-        drafting step has run: interpolated corrections drift with the contexts, and reopened the gate mid-run)."""
-        return self._memoised(self._prior_memo, num_rows, None, at_load=True)
+        drafting step has run: interpolated corrections drift with the contexts, and reopened the gate mid-run);
+        0 where it is 0 at half the rows (drafting pays less the more rows a step holds: a gate open at 16 rows
+        but shut at 8 reads a bump in the start-up profile, through Ray 1.31x at 16 rows against 1.04x at 8)."""
+        k = self._memoised(self._prior_memo, num_rows, None, at_load=True)
+        return k if k == 0 or num_rows <= 1 or self._prior_k(num_rows // 2) else 0
 
     def _memoised(self, memo: dict, num_rows: int, mean_survival: Optional[np.ndarray], at_load: bool = False) -> int:
         """_best_k, reused for memo_steps steps of the same load (it runs every step, and the estimates
@@ -445,6 +457,19 @@ class VerifyPlanner:
         """The draft length that maximises the expected tokens per second at this load, given the mean
         survival by position [K]; 0 unless it beats plain decoding by the margin. at_load: every step size
         at the plain step's correction (StepCost.at_load_of)."""
+        theta = self._theta(num_rows, mean_survival, at_load)
+        k = int(np.argmax(theta))
+        if k and theta[k] < theta[0] * (1 + self.draft_margin):  # a gain inside the model's error is a risk
+            k = 0
+        return k
+
+    def prior_gain(self, num_rows: int) -> float:
+        """The gain over plain decoding the prior gate predicts at this load (best k's tokens/s over plain's)."""
+        theta = self._theta(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1), at_load=True)
+        return float(theta.max() / theta[0])
+
+    def _theta(self, num_rows: int, mean_survival: np.ndarray, at_load: bool) -> np.ndarray:
+        """Expected tokens per second [K + 1] with 0 .. K drafts a row (_best_k's arguments)."""
         a = np.concatenate([[0.0], np.cumsum(mean_survival)])  # expected accepted per row with k drafts
         ks = np.arange(self.k + 1)
         forwards = np.array([draft_forwards(self.method, int(k), self.draft_passes) for k in ks])
@@ -457,11 +482,7 @@ class VerifyPlanner:
             steps[1:] *= self._drafting_ratio(num_rows)
         cost = steps + forwards * self.draft_cost.per_forward_s(num_rows)
         cost[1:] += self.hidden_host_s  # a plain step hides the host's work (async scheduling); a drafting one waits
-        theta = num_rows * (1 + a) / cost
-        k = int(np.argmax(theta))
-        if k and theta[k] < theta[0] * (1 + self.draft_margin):  # a gain inside the model's error is a risk
-            k = 0
-        return k
+        return num_rows * (1 + a) / cost
 
     def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float) -> np.ndarray:
         """raw [N, K] confidences of this step's drafts -> draft positions to verify per row [N]."""
@@ -592,7 +613,10 @@ class VerifyPlanner:
                # what it believes a drafter forward costs by rows, and the host time a drafting step pays
                "draft_forward_ms": {n: round(1e3 * self.draft_cost.per_forward_s(n), 3) for n in (1, 8, 32, 64)}
                if self.draft_cost.samples else {},
-               "hidden_host_ms": round(1e3 * self.hidden_host_s, 3)}
+               "hidden_host_ms": round(1e3 * self.hidden_host_s, 3),
+               # the prior gate's predicted gain by rows (it opens where this beats 1 + the margin)
+               "prior_gain": {n: round(self.prior_gain(n), 3) for n in (1, 2, 4, 8, 16)}
+               if self.prior_acceptance is not None and self.draft_cost.samples else {}}
         if time.monotonic() - self._report_t > 10.0:  # /health and /metrics ask often: not every time
             self._report, self._report_t = self.calibration_report(), time.monotonic()
         return {**out, **self._report}
