@@ -3,7 +3,7 @@
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
         [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--no-prefix-cache] [--out FILE]
         [--plot-dir DIR] [--calib-requests 512] [--calib-stream cycle|cut] [--calibration isotonic]
-        [--calib-compare sts,platt,platt_log_loss] [--draft-passes auto|1|2]
+        [--calib-compare sts,platt,platt_log_loss] [--draft-passes auto|1|2] [--serial N]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
 policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
@@ -11,6 +11,9 @@ policy is started once and kept warm: plain decoding, `schedule: static` at each
 
 1. all-at-once loads: B held-out prompts submitted together (max_num_seqs 64), greedy, --max-tokens
    each; output tokens/s, best of --repeats; ratios against plain decoding measured in the same round.
+   --serial N: also a batch-1 stream, N held-out prompts one at a time through each engine (the order of
+   engines rotating per prompt), output tokens/s over the stream: where drafting pays, over many requests
+   of different difficulty, not a best-of.
 2. Poisson arrivals at --poisson x saturation, where saturation is plain decoding's request rate at
    batch 64 (the all-at-once figure); output tokens/s over the run and TPOT p50.
 3. The confidence engines' calibration on their live outcomes: a fresh window, then --calib-requests
@@ -133,6 +136,7 @@ def main():
     ap.add_argument("--calibration", default=None, help="the calibration in force in part 3 (default: the planner's)")
     ap.add_argument("--calib-compare", default="sts,platt,platt_log_loss",
                     help="calibrations scored beside it on the same live rounds")
+    ap.add_argument("--serial", type=int, default=0, help="a batch-1 stream of this many held-out prompts, one at a time")
     ap.add_argument("--out", default=None, help="results as JSON")
     ap.add_argument("--plot-dir", default=None, help="write verify_budget_<drafter>.png here")
     ap.add_argument("--rounds-out", default=None,
@@ -167,6 +171,18 @@ def main():
         results["all_at_once"][b] = best
         line = " ".join(f"{n}: {v / best['plain']:.2f}x" for n, v in best.items() if n != "plain")
         print(f"batch {b:3d}: plain {best['plain']:.0f} tok/s | {line}", flush=True)
+
+    if args.serial:  # one prompt at a time, engines interleaved by prompt; tokens/s over the whole stream
+        names, spent, made = list(policies), dict.fromkeys(policies, 0.0), dict.fromkeys(policies, 0)
+        for i in range(args.serial):
+            prompt = [held_out[(8 + i) % len(held_out)]]  # (after the warm-up's 8)
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                t0 = time.perf_counter()
+                made[name] += len(policies[name].generate(prompt, params)[0].token_ids)
+                spent[name] += time.perf_counter() - t0
+        results["serial"] = {n: made[n] / spent[n] for n in names}
+        line = " ".join(f"{n}: {v / results['serial']['plain']:.2f}x" for n, v in results["serial"].items() if n != "plain")
+        print(f"serial {args.serial} requests: plain {results['serial']['plain']:.0f} tok/s | {line}", flush=True)
 
     sat = results["all_at_once"][max(batches)]["plain"] / args.max_tokens  # requests/s
     for f in [float(x) for x in args.poisson.split(",") if x]:
