@@ -28,10 +28,10 @@ from .. import eplb
 from ..kv_cache import BlockManager, kv_budget_bytes
 from ..model.spec import ModelSpec
 from ..placement import default_placement, placement_from_phy2log
-from ..speculative.dspark_model import prefix_recompute_rows
 from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..speculative.drafting import SpecStats
+from ..speculative.dspark_model import prefix_recompute_rows
 from ..speculative.records import Proposal
 from ..speculative.verify_budget import StepCost, VerifyPlanner, draft_forwards
 from .cost_model import Precision, StepShape, Topology, drafter_time, profile_grid, step_time
