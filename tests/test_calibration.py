@@ -321,7 +321,7 @@ def test_poisoned_laws_are_filtered_and_a_poisoned_candidate_is_rejected(bundled
     def poison(s):
         r = copy.deepcopy(s.rounds)
         r.topk_ids = torch.randint(0, cal.vocab_size, r.topk_ids.shape, generator=g)
-        return SequenceSample(s.seq_id + 10**6, s.rows, r, "stop")
+        return SequenceSample(s.seq_id + 10**6, s.rows, r, "stop", row_offset=s.row_offset)
 
     before = cal.status()["buffer"]["dropped"].get("inconsistent_law", 0)
     n = sum(len(s.rounds) for s in clean)
