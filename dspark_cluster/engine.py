@@ -404,9 +404,9 @@ class LLMEngine:
         return events, learn
 
     def _record(self, step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens,
-                delivered=(0, None)) -> None:
+                delivered: tuple) -> None:
         """The step's statistics: kept for live metrics, a run's report, the cost meter and the
-        verify budget's step-cost model."""
+        verify budget's step-cost model. delivered: (tokens committed, the step's period or None)."""
         stats = {
             "time": time.monotonic(),
             # with async scheduling: waiting for this step plus scheduling the next one

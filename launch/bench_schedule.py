@@ -123,8 +123,8 @@ def main():
     ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
                     choices=["auto", 1, 2], help="DSpark's speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--no-prefix-cache", action="store_true",
-                    help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
-                         "DSpark request recomputes up to its context window: this isolates speculation)")
+                    help="prefix caching off for every policy (the loads repeat the same held-out prompts; a DSpark "
+                         "request recomputes their last 32 tokens while it drafts: this isolates speculation)")
     ap.add_argument("--calib-requests", type=int, default=512, help="batch-1 requests for the calibration figures")
     ap.add_argument("--calib-stream", choices=("cycle", "cut"), default="cycle",
                     help="part 3's prompts: the held-out ones cycled, or cut shorter on each pass (no repeats)")

@@ -200,8 +200,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker and drafter actor")
     ap.add_argument("--no-prefix-cache", action="store_true",
-                    help="prefix caching off for every policy (the loads repeat the same held-out prompts, which a "
-                         "DSpark request recomputes up to its context window: this isolates speculation)")
+                    help="prefix caching off for every policy (the loads repeat the same held-out prompts; a DSpark "
+                         "request recomputes their last 32 tokens while it drafts: this isolates speculation)")
     if HAS_PLACEMENT:
         ap.add_argument("--placement", choices=["auto", "target", "group"], default=None,
                         help="speculative.placement of the drafters (default: the config's)")

@@ -561,8 +561,9 @@ def test_drafting_that_delivers_less_than_plain_decoding_stops_at_that_load():
     """The cost model says drafting pays at 8 rows; the steps say otherwise (tokens per second of the step
     period, drafter and host included: through Ray a fresh engine that learned at 8 rows drafted at 0.53-0.63x
     of plain decoding, BENCHMARKS.md session 22). Drafting stops at that load once drafting steps of VETO_ROUNDS
-    rows in all (4 steps of 8 rows) delivered under 0.9x of the plain steps there (or, with no plain steps seen there, of the plain step's model), not at
-    other loads, and is judged afresh when the evidence ages out (ratio_horizon steps)."""
+    rows in all (4 steps of 8 rows) delivered under 0.9x of the plain steps there (or, with no plain steps seen
+    there, of the plain step's model), not at other loads, and is judged afresh when the evidence ages out
+    (ratio_horizon steps)."""
     profile = StepCost([1, 8, 16, 64], [0.0015, 0.0020, 0.0025, 0.0050])
     planner = VerifyPlanner(6, profile, "dspark")
     planner.mean_survival = 0.9 ** np.arange(1, 7)
@@ -583,6 +584,7 @@ def test_drafting_that_delivers_less_than_plain_decoding_stops_at_that_load():
     planner._memo.clear()
     assert planner.draft_len(8) == 0 and planner.draft_len(6) == 0  # 6 rows: the nearest power of 2 is 8 too
     for _ in range(4):  # at 1 row drafting delivers about as much as plain decoding (0.93x): it goes on there
+        # (4 one-row steps are no evidence either way)
         planner.observe_delivery(1, 1, 0.0015, drafting=False)
         planner.observe_delivery(1, 4, 0.0064, drafting=True)
     assert not planner.delivery_vetoes(1) and planner.draft_len(1) > 0

@@ -45,8 +45,9 @@ class _Context:
     # from them) and the sequence's recorded verify rounds
     kept: list = field(default_factory=list)  # (start, rows)
     rounds: list = field(default_factory=list)  # RoundRecords
-    kept_from: int = 0  # the position of the first kept row (past a resync's gap)
-    first_row: int = 0  # the first position with a row: a block reads none before it (a cached prefix, a resync)
+    # the first position with a row: a block reads none before it (a cached prefix, a resync), and online
+    # calibration's kept rows start there
+    first_row: int = 0
 
 
 def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
@@ -160,7 +161,7 @@ class DSparkProposer:
         st.kv_length = st.length = st.first_row = start
         st.lost = False
         if self.calibrate:  # calibration reads the rows from here on, and rounds anchored past them
-            st.kept, st.rounds, st.kept_from = [], [], start
+            st.kept, st.rounds = [], []
         self.resyncs += count
 
     def _append(self, st: _Context, start: int, hidden) -> None:
@@ -225,7 +226,7 @@ class DSparkProposer:
             if self.calibrate and st is not None and st.rounds and not st.lost:
                 rows = torch.cat([h for _, h in st.kept]) if st.kept else torch.zeros(0, 1, dtype=torch.float16)
                 self.samples.append(SequenceSample(sid, rows, RoundRecords.cat(st.rounds),
-                                                   (reasons or {}).get(sid), row_offset=st.kept_from))
+                                                   (reasons or {}).get(sid), row_offset=st.first_row))
             if len(self._freed_order) == self._freed_order.maxlen:
                 self._freed.discard(self._freed_order[0])
             self._freed_order.append(sid)

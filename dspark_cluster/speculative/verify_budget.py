@@ -448,7 +448,7 @@ class VerifyPlanner:
             memo[num_rows] = (got[0], got[1] - 1)
             return got[0]
         if mean_survival is None:  # the prior's (made here, on a miss: this runs every step)
-            mean_survival = self.prior_acceptance ** np.arange(1, self.k + 1)
+            mean_survival = self._prior_survival()
         k = self._best_k(num_rows, mean_survival, at_load)
         memo[num_rows] = (k, self.memo_steps)
         return k
@@ -463,9 +463,13 @@ class VerifyPlanner:
             k = 0
         return k
 
+    def _prior_survival(self) -> np.ndarray:
+        """Survival by position [K] of a drafter accepted at prior_acceptance a position."""
+        return self.prior_acceptance ** np.arange(1, self.k + 1)
+
     def prior_gain(self, num_rows: int) -> float:
         """The gain over plain decoding the prior gate predicts at this load (best k's tokens/s over plain's)."""
-        theta = self._theta(num_rows, self.prior_acceptance ** np.arange(1, self.k + 1), at_load=True)
+        theta = self._theta(num_rows, self._prior_survival(), at_load=True)
         return float(theta.max() / theta[0])
 
     def _theta(self, num_rows: int, mean_survival: np.ndarray, at_load: bool) -> np.ndarray:
@@ -614,7 +618,8 @@ class VerifyPlanner:
                "draft_forward_ms": {n: round(1e3 * self.draft_cost.per_forward_s(n), 3) for n in (1, 8, 32, 64)}
                if self.draft_cost.samples else {},
                "hidden_host_ms": round(1e3 * self.hidden_host_s, 3),
-               # the prior gate's predicted gain by rows (it opens where this beats 1 + the margin)
+               # the prior gate's predicted gain by rows (it opens where this beats 1 + the margin, here and at
+               # every power of 2 below)
                "prior_gain": {n: round(self.prior_gain(n), 3) for n in (1, 2, 4, 8, 16)}
                if self.prior_acceptance is not None and self.draft_cost.samples else {}}
         if time.monotonic() - self._report_t > 10.0:  # /health and /metrics ask often: not every time
