@@ -48,7 +48,10 @@ def timed_parts() -> None:
                 SECONDS[key] = SECONDS.get(key, 0.0) + time.perf_counter() - t
         setattr(owner, name, timed)
 
-    for name in ("plan", "attach", "step_fields", "collect", "observe", "step_stats", "free"):
+    for name in ("plan", "attach", "step_fields", "collect", "observe", "step_stats", "free", "observe_step_cost",
+                 "observe_delivery"):
+        if not hasattr(Speculation, name):  # (observe_delivery since session 22: older trees through ab.py)
+            continue
         wrap(Speculation, name, f"controller.{name}")
     wrap(ContextStash, "route", "stash.route")
     if hasattr(ContextStash, "keep_step"):  # (an idle step's log, since session 15)
