@@ -40,6 +40,47 @@ def drafters(checkpoint, tmp_path_factory):
     return get
 
 
+@torch.inference_mode()
+def test_packed_serving_weights_follow_a_version_switch_and_a_move(checkpoint, drafters):
+    """Serving packs each layer's q/k/v and gate/up weights into one tensor each (the modules' weights views
+    of them): a drafter version switch (load_trained) and a move (.to) leave the packed forward equal to the
+    modules' own, and nothing is held twice."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    target = checkpoint("qwen3_moe")
+    prop = DSparkProposer(drafters("qwen3_moe", markov_gate=True, draft_passes=2), str(target),
+                          load_spec(str(target), "float32"), num_tokens=4, draft_passes=2)
+    m, layer = prop.model, prop.model.layers[0]
+    assert layer.q_proj.weight.data_ptr() == layer.packed[0].data_ptr()  # a view, not a copy
+    torch.manual_seed(0)
+    prop.ingest(ContextRows(torch.tensor([7]), torch.tensor([0]), torch.tensor([10]), torch.randn(10, 2 * 64)))
+    req = DraftRequest(7, torch.randint(2, 160, (11,)).tolist(), 4)
+
+    def both():
+        packed = prop.block_forward([req])
+        saved = [lay.packed for lay in m.layers]
+        for lay in m.layers:
+            lay.packed = None
+        unpacked = prop.block_forward([req])
+        for lay, p in zip(m.layers, saved):
+            lay.packed = p
+        return packed, unpacked
+
+    state = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in m.state_dict().items()}
+    before = both()[0]
+    m.load_trained(state)  # a version switch: copied into the packed weights
+    (hn, base), (hn_ref, base_ref) = both()
+    assert not torch.equal(base, before[1])
+    assert torch.equal(hn, hn_ref) and torch.equal(base, base_ref)
+    m.to(torch.float64).to(torch.float32)  # a move: packed again
+    assert layer.q_proj.weight.data_ptr() == layer.packed[0].data_ptr()
+    (hn, base), (hn_ref, base_ref) = both()
+    assert torch.equal(hn, hn_ref) and torch.equal(base, base_ref)
+
+
 @pytest.mark.parametrize("markov_gate,passes", [(False, 1), (True, 1), (True, 2)])
 @torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)
 def test_serving_forward_is_the_training_forward(markov_gate, passes, checkpoint, drafters):

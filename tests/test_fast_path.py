@@ -251,6 +251,43 @@ def test_rope_table_is_what_rope_cos_sin_computes():
     assert torch.equal(cos.reshape(ref_cos.shape), ref_cos) and torch.equal(sin.reshape(ref_sin.shape), ref_sin)
 
 
+def test_a_drafting_round_at_batch_1_issues_few_operations_and_no_host_sync():
+    """The bundled DSpark drafter's serving round at batch 1 (new context rows, then a proposal of 6): its
+    operations counted and bounded (237 one pass / 347 two before session 24's trim, 159 / 249 after), none
+    of them a host read (the tokens and confidences stay on the device); its rope read from the table is the
+    rope computed per position, bit for bit, also past the table's growth."""
+    from dspark_cluster.model.layers import rope_cos_sin
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+
+    spec = load_spec(TINY_MOE, "float32")
+    for passes, bound in ((1, 160), (2, 250)):
+        prop = DSparkProposer(ASSETS_DIR / "tiny-dspark", TINY_MOE, spec, num_tokens=6, draft_passes=passes)
+        width = prop.model.fc.in_features
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(2, spec.vocab_size, (201,), generator=g).tolist()
+        prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([0]), torch.tensor([200]),
+                                torch.randn(200, width, generator=g)))
+        for r in range(3):
+            rows = torch.randn(4, width, generator=g)
+            start = len(tokens) - 1
+            tokens += [5] * 4
+            # (ingest only files the rows: its host reads are of the rows' host index tensors)
+            prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([start]), torch.tensor([4]), rows))
+            with count_ops() as c:  # their keys and values, the block, the Markov steps
+                _, (drafted, confs, laws) = prop.draft([DraftRequest(1, tokens, 6)])
+            assert drafted.shape == (1, 6) and laws is None
+        assert not c.syncs, dict(c.sync_sites)
+        assert sum(c.ops.values()) <= bound, c.ops.most_common(20)
+    m = prop.model
+    for positions in (torch.tensor([[0, 5, 255]]), torch.tensor([[300, 1999, 4]])):  # the second grows the table
+        cos, sin = m.rope(positions, int(positions.max()) + 1)
+        ref_cos, ref_sin = rope_cos_sin(positions, m._inv_freq[positions.device])
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert m._rope_table[positions.device][0].shape[0] >= 2000
+
+
 def test_metadata_on_its_device_is_not_copied():
     """`meta.to` of metadata already on the device and dtype is the metadata itself (no copies, no ops)."""
     positions, meta = build_metadata(torch.tensor([1, 3]), torch.tensor([5, 9]), torch.arange(8).view(2, 4), 4)

@@ -83,6 +83,7 @@ DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calib
 # read 3.16 / 2.89 (greedy / temperature 1) with 512 context rows, 3.09 / 2.93 with 32, 3.14 / 2.83 with 16,
 # 3.02 / 2.73 with 8 (BENCHMARKS.md session 23; recomputing the whole window cost DSpark requests the prefix cache)
 PREFIX_RECOMPUTE_ROWS = 32
+ROPE_TABLE_ROWS = 1 << 16  # positions a serving drafter reads its rope from a table for (8 MB at head_dim 64)
 
 
 def prefix_recompute_rows(context_window: int) -> int:
@@ -141,6 +142,28 @@ class DSparkLayer(nn.Module):
         self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.packed = None  # serving: (qkv [3d, d], gate_up [2I, d], qk_norm [2, 1, hd]) weights (`pack`)
+
+    def pack(self) -> None:
+        """Serving: the q, k, v projections one weight and gate, up another (a GEMM each, not three and two),
+        q's and k's norm weights side by side (q and k normed and rotated in one call each); the modules'
+        weights become views of them, so a load_state_dict (a drafter version switch) copies into them and
+        nothing is held twice. Used without gradients only (training reads the modules)."""
+        with torch.no_grad():
+            qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            qk_norm = torch.stack([self.q_norm.weight, self.k_norm.weight])
+        d, inter = self.c.hidden_size, self.c.intermediate_size
+        self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data = qkv[:d], qkv[d:2 * d], qkv[2 * d:]
+        self.gate_proj.weight.data, self.up_proj.weight.data = gate_up[:inter], gate_up[inter:]
+        self.q_norm.weight.data, self.k_norm.weight.data = qk_norm[0], qk_norm[1]
+        self.packed = (qkv, gate_up, qk_norm[:, None, :])
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() make new weights: pack them again
+        super()._apply(fn, recurse)
+        if self.packed is not None:
+            self.pack()
+        return self
 
     def context_kv(self, ctx, rope):
         """Keys/values of fused context rows: ctx [..., T, d], rope the (cos, sin) of their positions
@@ -159,9 +182,16 @@ class DSparkLayer(nn.Module):
         H, D = self.c.num_heads, self.c.head_dim
         h = self.input_norm(x)
         cos, sin = rope
-        q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
-        v = self.v_proj(h).view(B, Q, H, D)
+        packed = self.packed is not None and not torch.is_grad_enabled()
+        if packed:  # (the same values: one GEMM for q, k, v; q and k normed and rotated together)
+            qkv = F.linear(h, self.packed[0]).view(B, Q, 3, H, D)
+            qk = apply_rope(_rms_norm_rows(qkv[:, :, :2], self.packed[2], self.c.rms_norm_eps).view(B, Q, 2 * H, D),
+                            cos, sin)
+            (q, k), v = qk.split(H, dim=2), qkv[:, :, 2]
+        else:
+            q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
+            k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
+            v = self.v_proj(h).view(B, Q, H, D)
         if in_place:
             ctx_k[:, -Q:].copy_(k)
             ctx_v[:, -Q:].copy_(v)
@@ -173,6 +203,9 @@ class DSparkLayer(nn.Module):
                                               attn_mask=None if mask is None else mask[:, None])
         x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, H * D))
         h = self.post_norm(x)
+        if packed:
+            gate, up = F.linear(h, self.packed[1]).chunk(2, dim=-1)
+            return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
@@ -206,6 +239,7 @@ class DSparkDrafter(nn.Module):
             self.confidence = nn.Linear(d + r, 1)
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
         self._inv_freq: dict = {}  # device -> the rope's inverse frequencies (fp32, whatever the model's dtype)
+        self._rope_table: dict = {}  # device -> (cos, sin) [rows, 1, head_dim] of positions 0 .. rows - 1 (serving)
 
     def set_target_tables(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """The target's input embedding and LM head [V, Ht], held as they are (not copied: pass them on the
@@ -217,14 +251,28 @@ class DSparkDrafter(nn.Module):
         self.embed, self.lm_head = embed, lm_head
         self._w1 = self._w2 = None
 
-    def rope(self, positions):
+    def rope(self, positions, upto: Optional[int] = None):
         """positions [...] -> the rotation's cos, sin [..., 1, head_dim] in fp32 (computed in fp32 whatever the
-        width), for every layer (they share head_dim and theta): made once a forward."""
-        inv_freq = self._inv_freq.get(positions.device)
+        width), for every layer (they share head_dim and theta): made once a forward. upto: a bound on the
+        positions the caller knows on the host (serving): they are then read from a table of every position
+        below it, made once and grown by doubling (the same values; two lookups instead of a dozen ops a call),
+        not computed per call."""
+        dev = positions.device
+        inv_freq = self._inv_freq.get(dev)
         if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = rope_frequencies(self.c.head_dim, self.c.rope_theta,
-                                                                           positions.device)
-        return rope_cos_sin(positions, inv_freq)
+            inv_freq = self._inv_freq[dev] = rope_frequencies(self.c.head_dim, self.c.rope_theta, dev)
+        if upto is None or upto > ROPE_TABLE_ROWS:
+            return rope_cos_sin(positions, inv_freq)
+        table = self._rope_table.get(dev)
+        if table is None or table[0].shape[0] < upto:
+            rows = min(ROPE_TABLE_ROWS, max(upto, 2 * table[0].shape[0] if table is not None else 256))
+            table = self._rope_table[dev] = rope_cos_sin(torch.arange(rows, device=dev), inv_freq)
+        return table[0][positions], table[1][positions]
+
+    def pack(self) -> None:
+        """Serving: each layer's projections packed (`DSparkLayer.pack`)."""
+        for layer in self.layers:
+            layer.pack()
 
     def load_trained(self, state: dict) -> None:
         """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
@@ -248,7 +296,7 @@ class DSparkDrafter(nn.Module):
     def head(self, h):
         """final block rows h [..., d] -> (normed rows [..., d], base logits [..., V] fp32)."""
         hn = self.norm(h)
-        return hn, (self.out_norm(self.out_proj(hn)) @ self.lm_head.T).float()
+        return hn, _fp32(F.linear(self.out_norm(self.out_proj(hn)), self.lm_head))
 
     def markov_factors(self):
         """W1 [V, r], W2 [r, V] (materialised and cached when not training)."""
@@ -273,13 +321,14 @@ class DSparkDrafter(nn.Module):
         if w1 is None:
             return None, 0.0
         e = w1[prev]
-        return e, ((e if gates is None else e * gates.to(e.dtype)).to(w2.dtype) @ w2).float()
+        x = e if gates is None else e * _as(gates, e.dtype)
+        return e, _fp32(_as(x, w2.dtype) @ w2)
 
     def confidence_logit(self, hn, e):
         """[h ; W1[prev]] -> raw confidence logit [...] (None without a confidence head)."""
         if not self.c.confidence_head:
             return None
-        x = hn if e is None else torch.cat([hn, e.to(hn.dtype)], dim=-1)
+        x = hn if e is None else torch.cat([hn, _as(e, hn.dtype)], dim=-1)
         return self.confidence(x).squeeze(-1)
 
     # ---- training: many blocks of one window in one dense forward --------------------------
@@ -352,6 +401,23 @@ class DSparkDrafter(nn.Module):
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
+
+
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., G, H, D] normed over D, group g scaled by weight[g] ([G, 1, D]): RMSNorm's arithmetic (fp32: one
+    F.rms_norm, whose weight multiplies last; else normed in fp32, cast back, then scaled) for G norms at once."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape[-1:], eps=eps) * weight
+    return weight * F.rms_norm(x.float(), weight.shape[-1:], eps=eps).to(x.dtype)
+
+
+def _as(t: torch.Tensor, dtype) -> torch.Tensor:
+    """t in dtype (no op dispatched when it is already: the drafting loop runs per slot)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return _as(t, torch.float32)
 
 
 def dspark_loss(z, conf, labels, p_target, weight, ce_alpha=0.1, l1_alpha=0.9, conf_alpha=1.0):

@@ -97,6 +97,7 @@ class DSparkProposer:
         if self.tables_shared:
             embed, lm_head = (t.detach() for t in held)
         self.model = load_drafter(path, embed, lm_head, self.device, self.dtype)
+        self.model.pack()
         self.model.c.draft_passes = c.draft_passes
         self.c = self.model.c  # one config: what drafting and calibration's forward both read
         self.layer_ids = tuple(c.target_layer_ids)
@@ -183,9 +184,15 @@ class DSparkProposer:
         chunks = [(st, s0, h) for st in (self.ctx[sid] for sid in seq_ids) for s0, h in st.raw if h.shape[0]]
         if not chunks:
             return
-        hidden = torch.cat([h for _, _, h in chunks]).to(self.device, self.dtype)
-        pos = torch.cat([torch.arange(s0, s0 + h.shape[0]) for _, s0, h in chunks]).to(self.device)
-        fused, rope = self.model.fuse(hidden), self.model.rope(pos)
+        hidden = chunks[0][2] if len(chunks) == 1 else torch.cat([h for _, _, h in chunks])
+        if hidden.device != self.device or hidden.dtype != self.dtype:
+            hidden = hidden.to(self.device, self.dtype)
+        if len(chunks) == 1:
+            pos = torch.arange(chunks[0][1], chunks[0][1] + hidden.shape[0], device=self.device)
+        else:
+            pos = torch.cat([torch.arange(s0, s0 + h.shape[0]) for _, s0, h in chunks]).to(self.device)
+        upto = max(s0 + h.shape[0] for _, s0, h in chunks)
+        fused, rope = self.model.fuse(hidden), self.model.rope(pos, upto)
         for li, layer in enumerate(self.model.layers):
             k, v = layer.context_kv(fused, rope)
             off = 0
@@ -200,8 +207,9 @@ class DSparkProposer:
                     def grow(t):
                         return torch.cat([t, t.new_empty((max(need, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])
                     st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
-                st.k[li][s0:end] = k[off : off + n]
-                st.v[li][s0:end] = v[off : off + n]
+                whole = off == 0 and n == k.shape[0]  # (one chunk: no view to take)
+                st.k[li][s0:end] = k if whole else k[off : off + n]
+                st.v[li][s0:end] = v if whole else v[off : off + n]
                 off += n
         for st in {id(c[0]): c[0] for c in chunks}.values():
             st.kv_length, st.raw = st.length, []
@@ -295,7 +303,10 @@ class DSparkProposer:
         los = [max(st.first_row, n - self.window) for st, n in zip(states, lens)]
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
-        qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
+        if B == 1:
+            qpos = torch.arange(lens[0], lens[0] + S, device=dev)[None]
+        else:
+            qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         layers = range(len(self.model.layers))
         first, lo0, n0 = states[0], los[0], lens[0]
         # (rows past the anchor, where held, stay unwritten; _materialize keeps the S rows' capacity)
@@ -320,16 +331,19 @@ class DSparkProposer:
         return qpos, mask, padded  # made as each layer runs: one layer's copies alive at a time
 
     @torch.inference_mode()
-    def block_forward(self, requests, second=None, context=None):
+    def block_forward(self, requests, second=None, context=None, anchors=None):
         """One backbone forward over a block per request (context ready): returns the final normed
         rows [B, block_size, d] and base logits [B, block_size, V]. Always the whole trained block:
         fewer mask slots would change what the trained slots see. second [B]: slot 1's tokens (a
-        second pass: the drafts at slot 0), or None (a mask). context: `block_context(requests)`, when
-        the caller has it already."""
+        second pass: the drafts at slot 0), or None (a mask). context: `block_context(requests)`, and
+        anchors: the requests' anchor tokens [B] on the device, when the caller has them already."""
         m = self.model
         qpos, mask, kv = context if context is not None else self.block_context(requests)
-        x = m.block_input(torch.tensor([r.anchor for r in requests], device=self.device), self.c.block_size, second)
-        rope = m.rope(qpos)  # (a second pass makes it again: a few ops, beside passing it around)
+        if anchors is None:
+            anchors = torch.tensor([r.anchor for r in requests], device=self.device)
+        x = m.block_input(anchors, self.c.block_size, second)
+        # (a second pass looks it up again: two ops, beside passing it around)
+        rope = m.rope(qpos, max(r.length for r in requests) - 1 + self.c.block_size)
         for li, layer in enumerate(m.layers):
             x = layer(x, rope, *kv(li), mask, in_place=True)
         return m.head(x)
@@ -370,28 +384,34 @@ class DSparkProposer:
         reqs = [requests[i] for i in active]
         m, dev = self.model, self.device
         context = self.block_context(reqs)
-        hn, base = self.block_forward(reqs, context=context)
+        anchors = torch.tensor([r.anchor for r in reqs], device=dev)
+        hn, base = self.block_forward(reqs, context=context, anchors=anchors)
         w1, w2 = m.markov_factors()
         gates = m.markov_gates(hn)  # [B, block, r] or None
-        temp = torch.tensor([r.temperature for r in reqs], device=dev)
-        top_k = torch.tensor([r.top_k for r in reqs], device=dev)
-        top_p = torch.tensor([r.top_p for r in reqs], device=dev)
         K = max(r.k for r in reqs)
         B, V = base.shape[0], base.shape[-1]
         greedy = all(r.temperature == 0 for r in reqs)
+        law_args = None
+        if not greedy or not self.c.confidence_head:  # (a greedy step with a confidence head reads none of them)
+            law_args = [torch.tensor([getattr(r, a) for r in reqs], device=dev)
+                        for a in ("temperature", "top_k", "top_p")]
         seeds = [r.seed for r in reqs]  # seeded rows draw slot i's token by its position
-        prev = torch.tensor([r.anchor for r in reqs], device=dev)
         tokens, zs, laws, es = [], [], [], []
+        # each slot's base logits and gate: one unbind, not a select per slot
+        base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
+        prev = anchors
         for i in range(K):  # left to right through the Markov head (the backbone ran once, or twice)
             if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
-                hn2, base2 = self.block_forward(reqs, tokens[0], context)
+                hn2, base2 = self.block_forward(reqs, tokens[0], context, anchors)
                 hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
                 gates = m.markov_gates(hn)
-            e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
-            z = base[:, i] + bias
+                base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
+            e, bias = m.markov_bias(prev, w1, w2, None if gates_i is None else gates_i[i])
+            z = base_i[i] + bias
             if greedy:
                 tok = z.argmax(-1)
             else:
+                temp, top_k, top_p = law_args
                 # in the drafter's dtype: the law it ships (or hands the verify step) is the law it draws from
                 # (a 16-bit law is renormalised where it is verified; the race is scale-free)
                 law = filter_logits(z, temp, top_k, top_p).softmax(-1).to(self.dtype)
@@ -406,6 +426,7 @@ class DSparkProposer:
         conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
         if greedy:  # no law to ship; without a confidence head its top probability is the confidence
             if conf is None:
+                temp, top_k, top_p = law_args
                 rep = lambda t: t.repeat_interleave(K)  # noqa: E731
                 laws = filter_logits(torch.stack(zs, 1).reshape(B * K, V), rep(temp), rep(top_k),
                                      rep(top_p)).softmax(-1).view(B, K, V)
