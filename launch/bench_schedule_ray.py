@@ -36,7 +36,9 @@ Poisson run itself; for all at once one more run of the same requests, submitted
 not timed), the mean step split in ms per step: step, execute (submit + wait for the workers' round),
 forward (the driver rank's own), wire (pickling the round), worker (the driver rank's time in its step
 call), between (a worker's time from one output to the next input, each run's first step left out),
-host (step - execute: the Router's scheduling, drafting and processing), and the DSpark context rows
+host (step - execute: the Router's scheduling, drafting and processing), turn (the Router's time from a
+step's output to the next step's submission where nothing hid it - the step before verified drafts - over
+those steps; the rest of `between` is pickling on the worker and the channels), and the DSpark context rows
 exported to the drafter (kB per step).
 """
 
@@ -132,6 +134,8 @@ def figures(before: dict, after: dict, steps: list) -> dict:
     ms = {k: 1e3 * sum(s[f] for s in steps) / n for k, f in SPLIT.items()}
     ms["between"] = 1e3 * sum(s["worker_between_s"] for s in steps[1:]) / max(1, len(steps) - 1)
     ms["host"] = ms["step"] - ms["execute"]
+    turns = [s["early_host_s"] for s in steps if s.get("early_host_s") is not None]  # (trees before session 24: none)
+    ms["turn"] = 1e3 * sum(turns) / len(turns) if turns else 0.0
     ms["draft"] = 1e3 * d["draft_s"] / max(1, d["steps"])
     out["split_steps"], out["mean_batch"] = len(steps), sum(s["num_seqs"] for s in steps) / n
     out["ms_per_step"] = {k: round(v, 3) for k, v in ms.items()}
@@ -176,7 +180,7 @@ def line(label: str, row: dict, paired: dict | None = None) -> str:
 
 
 def split_table(results: dict) -> list[str]:
-    keys = list(SPLIT) + ["host", "draft"]
+    keys = list(SPLIT) + ["host", "turn", "draft"]
     out = ["step split (ms per step; export kB per step): load, policy: steps, mean batch, " + " ".join(keys)
            + " export"]
     for kind, loads in results.items():
