@@ -247,15 +247,11 @@ class LLMEngine:
                 self._plan_drafts()
                 if self._overlap():
                     self._inflight = self._schedule_and_submit(events, step)
-            got, learn, record = self._advance(step, t0)
+            got, learn = self._advance(step, t0)
             events.extend(got)
             if self.async_scheduling and self._inflight is None:
                 self._submit_early(events, step)
-            # (after an early submission: the step's record and what the planner learns from it wait for the
-            # next step's start, which at a drafting step's load nothing else hides: 0.07 ms of the Router's
-            # ~0.7 ms turn between two steps at batch 1, BENCHMARKS.md session 24)
-            self._record(*record)
-            self._learn(learn)
+            self._learn(learn)  # (after an early submission: the planner learns from this step one step later)
         except BaseException as e:
             # scheduling advanced the sequences of every step not processed: undo it, so that the
             # engine (or a caller who catches this: LLM in process, an interrupt) can step again
@@ -351,8 +347,7 @@ class LLMEngine:
 
     def _process(self, step: "_InFlight", t0: float) -> list[TokenEvent]:
         """Wait for a submitted step and advance its sequences with the tokens it sampled."""
-        events, learn, record = self._advance(step, t0)
-        self._record(*record)
+        events, learn = self._advance(step, t0)
         self._learn(learn)
         return events
 
@@ -362,9 +357,8 @@ class LLMEngine:
         for rows, sampled, num_steps in learn:
             self.speculation.observe(rows, sampled, num_steps)
 
-    def _advance(self, step: "_InFlight", t0: float) -> tuple[list[TokenEvent], list, tuple]:
-        """_process but the verify outcomes' learning and the step's record, returned for _learn and
-        _record: (events, learn, record's arguments)."""
+    def _advance(self, step: "_InFlight", t0: float) -> tuple[list[TokenEvent], list]:
+        """_process but the verify outcomes' learning, returned for _learn: (events, learn)."""
         t_wait = time.perf_counter()
         outs = self.executor.wait(step.handle)
         step.done_at = time.perf_counter()
@@ -406,22 +400,17 @@ class LLMEngine:
                 events.append(TokenEvent(seq.request_id, new, seq.finished, seq.finish_reason, seq, lps))
                 self.meter.output_tokens += len(new)
                 committed += len(new)
-        overlapped = self._inflight is not None  # the next step ran while this one was processed
-        self.num_steps += 1
-        self.num_overlapped_steps += overlapped
-        kv_used = [g.blocks.num_used for g in self.schedulers]  # (as this step left them: _record may run later)
-        step_time = time.perf_counter() - t0  # (with async scheduling: waiting for this step plus scheduling the next)
-        return events, learn, (step, scheds, outs, step_time, execute_time, verify_time, spec_rounds, spec_tokens,
-                               (committed, period), overlapped, kv_used)
+        self._record(step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens, (committed, period))
+        return events, learn
 
-    def _record(self, step, scheds, outs, step_time, execute_time, verify_time, spec_rounds, spec_tokens,
-                delivered: tuple, overlapped: bool, kv_used: list) -> None:
+    def _record(self, step, scheds, outs, t0, execute_time, verify_time, spec_rounds, spec_tokens,
+                delivered: tuple) -> None:
         """The step's statistics: kept for live metrics, a run's report, the cost meter and the
-        verify budget's step-cost model. delivered: (tokens committed, the step's period or None);
-        step_time, overlapped, kv_used: as _advance saw them (a record made after the next step's submission)."""
+        verify budget's step-cost model. delivered: (tokens committed, the step's period or None)."""
         stats = {
             "time": time.monotonic(),
-            "step_time_s": step_time,
+            # with async scheduling: waiting for this step plus scheduling the next one
+            "step_time_s": time.perf_counter() - t0,
             "execute_s": execute_time,  # submitting + waiting for the round (in process: the forward itself)
             "forward_s": max(o.forward_s for o in outs),  # the driver ranks' own time in execute_step
             "wire_s": self.executor.last_wire_s,  # pickling the round here (ray)
@@ -429,9 +418,9 @@ class LLMEngine:
             "worker_between_s": outs[0].between_s,  # ray: its time from the last output to this input
             "num_seqs": sum(len(sc.scheduled) for sc in scheds),
             "num_tokens": sum(sc.num_tokens for sc in scheds),
-            "kv_blocks_used": sum(kv_used),
+            "kv_blocks_used": sum(g.blocks.num_used for g in self.schedulers),
             "num_preempted": sum(len(sc.preempted) for sc in scheds),
-            "overlapped": overlapped,
+            "overlapped": self._inflight is not None,  # the next step ran while this one was processed
             # the Router's turn before this step: from the last step's output to this one's submission (a step
             # submitted early: the last one verified drafts, so nothing hid it; None otherwise)
             "early_host_s": step.early_host_s,
@@ -457,10 +446,12 @@ class LLMEngine:
                 self.speculation.observe_delivery(stats["num_seqs"], delivered[0], delivered[1],
                                                   stats["num_drafted"] > 0)
         stats["verify_budget"] = stats["num_tokens"] + stats["num_verified"]  # every token the step ran
-        self.meter.step(stats, kv_used)
+        self.meter.step(stats, [g.blocks.num_used for g in self.schedulers])
         self.step_stats.append(stats)
         if self.step_record is not None:
             self.step_record.append(stats)
+        self.num_steps += 1
+        self.num_overlapped_steps += stats["overlapped"]
 
     def _free_drafts(self, events: list[TokenEvent]) -> list[TokenEvent]:
         if self.speculation is not None:

@@ -83,7 +83,9 @@ DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calib
 # read 3.16 / 2.89 (greedy / temperature 1) with 512 context rows, 3.09 / 2.93 with 32, 3.14 / 2.83 with 16,
 # 3.02 / 2.73 with 8 (BENCHMARKS.md session 23; recomputing the whole window cost DSpark requests the prefix cache)
 PREFIX_RECOMPUTE_ROWS = 32
-ROPE_TABLE_ROWS = 1 << 16  # positions a serving drafter reads its rope from a table for (8 MB at head_dim 64)
+# positions a serving drafter reads its rope from a table for; the table grows (by doubling) only as far as the
+# positions served: at most 2 x 65,536 x head_dim x 4 B, 32 MiB at head_dim 64 (counted in memory_report)
+ROPE_TABLE_ROWS = 1 << 16
 
 
 def prefix_recompute_rows(context_window: int) -> int:
@@ -278,6 +280,8 @@ class DSparkDrafter(nn.Module):
         """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
         self.load_state_dict(state, strict=True)
         self._w1 = self._w2 = None
+        if self.layers[0].packed is not None:  # (the load copied into the packed views; packed again all the same,
+            self.pack()  # should a load ever assign new tensors instead: a version switch is rare)
 
     # ---- pieces shared by training and serving ----------------------------------------------
     def fuse(self, target_hidden):
