@@ -4,7 +4,8 @@
 
 One warm LLMEngine per arm in this process (the bundled config; arms as launch/bench_first_guess.py names
 them, with num_tokens 4 and the confidence schedule, which at this load drafts only in the first run), then
---rounds runs of 48 synthetic prompts (16-64 tokens) x 64 greedy tokens on each, the arms interleaved.
+--rounds runs of 48 synthetic prompts (16-64 tokens) x 64 greedy tokens on each, the arms interleaved (their
+order rotating by round).
 Per arm: ms per step, its ratio to `none`, and the ms per step in each part speculation adds (the
 controller's per-step calls, the committed rows' selection, the context stash) beside the model's forward,
 each timed by wrapping the function in this process.
@@ -89,7 +90,8 @@ def main() -> None:
     per_step = {a: [] for a in arms}
     parts = {a: {} for a in arms}
     for r in range(args.rounds):
-        for arm in arms:
+        # the order rotates by round: on this machine the first run of a round often reads a few percent slower
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
             SECONDS.clear()
             seconds, steps = run(engines[arm], r + 1)
             per_step[arm].append(seconds / steps)

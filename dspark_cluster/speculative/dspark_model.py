@@ -84,7 +84,7 @@ DEFAULT_CONTEXT_WINDOW = 512  # = calibration.MAX_CONTEXT: the rows online calib
 # 3.02 / 2.73 with 8 (BENCHMARKS.md session 23; recomputing the whole window cost DSpark requests the prefix cache)
 PREFIX_RECOMPUTE_ROWS = 32
 # positions a serving drafter reads its rope from a table for; the table grows (by doubling) only as far as the
-# positions served: at most 2 x 65,536 x head_dim x 4 B, 32 MiB at head_dim 64 (counted in memory_report)
+# positions served: at most 2 x 65,536 x head_dim x 4 B, 32 MiB at head_dim 64 (memory_report's rope_table_bytes)
 ROPE_TABLE_ROWS = 1 << 16
 
 

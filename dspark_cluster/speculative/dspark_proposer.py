@@ -275,15 +275,17 @@ class DSparkProposer:
         return ctx
 
     def memory_report(self) -> dict:
-        """param_bytes (with the target's tables, unless they are the target's own tensors: tables_shared, and the
-        rope's table of positions), shared_table_bytes (the tables it reads), context_kv_bytes now, and kv_bytes: the
-        context's peak, sampled every 8th proposal (the cost ledger's drafter KV)."""
+        """param_bytes (with the target's tables, unless they are the target's own tensors: tables_shared),
+        shared_table_bytes (the tables it reads), context_kv_bytes now, and kv_bytes: the context's peak, sampled
+        every 8th proposal (the cost ledger's drafter KV); rope_table_bytes, the rope's table of positions (a
+        cache of what it computes, apart from the weights as the target's rope table is)."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         rope = sum(t.numel() * t.element_size() for cs in self.model._rope_table.values() for t in cs)
         tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
         ctx = self._context_bytes()
         self.peak_context_bytes = max(self.peak_context_bytes, ctx)
-        return {"param_bytes": params + rope + (0 if self.tables_shared else tables), "shared_table_bytes": tables,
+        return {"param_bytes": params + (0 if self.tables_shared else tables), "shared_table_bytes": tables,
+                "rope_table_bytes": rope,
                 "tables_shared_with_target": self.tables_shared, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 
