@@ -516,3 +516,44 @@ def test_a_request_that_does_not_speculate_exports_nothing(checkpoint, drafters,
     assert outs[1].metrics["num_draft_tokens"] == 0
     plain = LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts[:2], GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("reads, lossless", [("previous", True), ("own", False)])
+def test_the_confidence_schedule_on_the_target_is_lossless_with_wrong_confidences(reads, lossless,  # noqa: F811
+                                                                                  small_vocab, tmp_path):  # noqa: F811
+    """The confidence schedule with the drafter on the target: its proposals come back with the step before,
+    the Router cuts them to the verify budget, and the driver rank verifies sampled rows against the draft
+    laws it kept. Fed confidences that are badly wrong but read only the tokens before their own, the law
+    stays the target's; a confidence that reads its own token (DSpark, Appendix A's mistake) changes it,
+    and the test sees that."""
+    from test_speculative import _FixedCost
+
+    n, k = 6000, 2
+    draft = build_dspark(small_vocab["mild"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0)
+    llm = LLM(small_vocab["mild"], config={"scheduler": LAW_SCHED, "speculative": {
+        "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "confidence", "placement": "target"}})
+    planner = llm.engine.planner
+    planner.step_cost = _FixedCost([1, 512, 4096], [1 + 1 / 512, 2.0, 9.0])
+    planner.refit_every = planner.min_rounds = 10**9  # keep the wrong confidences as they are
+    planner.explore_rows, planner.prior_acceptance = n, None  # draft on every row, whatever the drafter's cost
+    proposer = dspark_proposer(llm)
+    inner = proposer.draft
+
+    def draft_with_wrong_confidences(reqs):
+        active, drafted = inner(reqs)
+        if active:
+            tokens, _, laws = drafted
+            anchors = torch.tensor([reqs[i].token_ids[-1] for i in active])[:, None]
+            src = torch.cat([anchors, tokens[:, :-1]], 1) if reads == "previous" else tokens
+            drafted = (tokens, torch.where(src % 2 == 0, 0.95, 0.05), laws)
+        return active, drafted
+
+    proposer.draft = draft_with_wrong_confidences
+    spec = llm.generate([LAW_PROMPT] * n, seeded(n, 1000, max_tokens=4))
+    steps = list(llm.engine.step_stats)
+    drafted, verified = sum(s["num_drafted"] for s in steps), sum(s["num_verified"] for s in steps)
+    assert 0 < verified < drafted / 1.5  # the rule cut many drafts and kept others
+    assert full_rounds(llm, k) > 0
+    p = law_pvalue(spec, small_vocab["mild"], LAW_PROMPT)
+    print(f"law p-value {p:.3g} (confidences reading {reads}, drafter on the target)")
+    assert (p > LAW_P) if lossless else (p < 1e-6), p
