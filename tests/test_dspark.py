@@ -519,7 +519,7 @@ def test_a_request_that_does_not_speculate_exports_nothing(checkpoint, drafters,
 
 
 @pytest.mark.parametrize("reads, lossless", [("previous", True), ("own", False)])
-def test_the_confidence_schedule_on_the_target_is_lossless_with_wrong_confidences(reads, lossless,  # noqa: F811
+def test_the_confidence_schedule_on_the_target_is_lossless_with_wrong_confidences(reads, lossless,
                                                                                   small_vocab, tmp_path):  # noqa: F811
     """The confidence schedule with the drafter on the target: its proposals come back with the step before,
     the Router cuts them to the verify budget, and the driver rank verifies sampled rows against the draft
@@ -552,7 +552,7 @@ def test_the_confidence_schedule_on_the_target_is_lossless_with_wrong_confidence
     spec = llm.generate([LAW_PROMPT] * n, seeded(n, 1000, max_tokens=4))
     steps = list(llm.engine.step_stats)
     drafted, verified = sum(s["num_drafted"] for s in steps), sum(s["num_verified"] for s in steps)
-    assert 0 < verified < drafted / 1.5  # the rule cut many drafts and kept others
+    assert 0 < verified < drafted / 1.5  # the budget cut many drafts and kept others
     assert full_rounds(llm, k) > 0
     p = law_pvalue(spec, small_vocab["mild"], LAW_PROMPT)
     print(f"law p-value {p:.3g} (confidences reading {reads}, drafter on the target)")
