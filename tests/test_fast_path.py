@@ -344,3 +344,37 @@ def test_start_up_freezes_the_heap_and_shutdown_lets_it_be_collected():
     del llm
     gc.collect()
     assert model() is None
+
+
+def test_onednn_linear_gives_torchs_values_and_follows_in_place_loads():
+    """The CPU's matmul choice (model/gemm.py): a product big enough goes to oneDNN over a reordered weight, one
+    row and small products stay with torch; either way F.linear's values (fp32 rounding apart); an in-place load
+    into the weight (a drafter version switch) reorders it again; with gradients it is F.linear."""
+    from dspark_cluster.model import gemm
+
+    torch.manual_seed(0)
+    w, b = torch.randn(768, 256), torch.randn(768)
+    seven, one = torch.randn(1, 7, 256), torch.randn(1, 256)
+    assert gemm.use_onednn(seven, w) == gemm._ONEDNN and not gemm.use_onednn(one, w)
+    assert not gemm.use_onednn(torch.randn(2, 16), torch.randn(16, 16))  # below ONEDNN_MIN_WORK
+    assert not gemm.use_onednn(seven.double(), w.double())
+    with torch.inference_mode():
+        for x in (seven, one, torch.randn(64, 512)[:, ::2]):  # (a strided input too)
+            assert torch.allclose(gemm.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        first = gemm.linear(seven, w)
+    with torch.no_grad():
+        w.copy_(torch.randn(768, 256))
+    with torch.inference_mode():
+        again = gemm.linear(seven, w)
+        assert not torch.allclose(again, first)
+        assert torch.allclose(again, torch.nn.functional.linear(seven, w), atol=1e-4, rtol=1e-5)
+        frozen = torch.randn(768, 256)  # an inference tensor (no version counter), as a drafter's cached factor
+        assert torch.allclose(gemm.linear(seven, frozen), torch.nn.functional.linear(seven, frozen), atol=1e-4, rtol=1e-5)
+    if gemm._ONEDNN:  # a loaded model's copies are made at load (counted before the KV pool is sized)
+        model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+        assert model.reordered_bytes >= model.lm_head.weight.numel() * 4 and "_onednn" in model.lm_head.weight.__dict__
+    layer = gemm.Linear(256, 768)
+    x = seven.clone().requires_grad_(True)
+    assert not gemm.use_onednn(x, layer.weight)
+    layer(x).sum().backward()  # training goes through F.linear: gradients flow
+    assert layer.weight.grad is not None and x.grad is not None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
+from .gemm import Linear, linear
 from .spec import ModelSpec
 
 
@@ -90,7 +91,7 @@ class Part:
     row_order: Optional[torch.Tensor] = None
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Holds this rank's slice of the output features (and bias). `share` ranks hold the same
     slice, for KV heads that are fewer than the ranks. The loader reads rows
     [(tp_rank // share) * out, +out) of the checkpoint tensor."""
@@ -102,7 +103,7 @@ class ColumnParallelLinear(nn.Linear):
         self.share = share
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(Linear):
     """Several checkpoint projections of the same input as one matmul (q/k/v, gate/up, DeepSeek's
     q_a and kv_a): the rows of each `Part`, this rank's slice of each when it is split, one after
     another. The loader fills each part from its own checkpoint tensor (nano-vllm's packed modules)."""
@@ -116,7 +117,7 @@ class PackedLinear(nn.Linear):
         self.sizes = [p.size for p in parts]
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Holds this rank's slice of the input features; the caller all-reduces the partial sums.
     The bias is whole and added on rank 0 only."""
 
@@ -201,7 +202,7 @@ class GQAAttention(_PagedCache, nn.Module):
             qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)
         q, k = qk.split([Hq, Hkv], dim=1)
         out = paged_attention(q, k, v, self.kv_cache[0], self.kv_cache[1], meta, self.scale, flat=self.kv_flat)
-        out = F.linear(out.reshape(T, -1), self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
+        out = linear(out.reshape(T, -1), self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
 
 
@@ -280,7 +281,7 @@ class MLAttention(_PagedCache, nn.Module):
         out = paged_attention(torch.cat([q_latent, pe[:, :Hh]], dim=-1), k_new, latent,
                               self.kv_cache[0], None, meta, self.scale, flat=self.kv_flat)  # [T, H, rank]
         out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(T, -1)
-        out = F.linear(out, self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
+        out = linear(out, self.o_proj.weight, self.o_proj.bias if self.comm.tp_rank == 0 else None)
         return self.comm.all_reduce(out)
 
 
@@ -460,7 +461,7 @@ class MoE(nn.Module):
         to a bucket and the padding rows stay out of the load statistics."""
         xf = x if x.dtype == torch.float32 else x.float()
         gate_w = self.gate.weight if self.gate.weight.dtype == torch.float32 else self.gate.weight.float()
-        logits = F.linear(xf, gate_w)
+        logits = linear(xf, gate_w)
         if self.study:
             logits = logits + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError
 from .fp8 import FP8_DTYPES, dequantize_fp8
+from .gemm import reorder_weights
 from .layers import LocalComm
 from .model import DecoderModel
 from .spec import ModelSpec
@@ -239,4 +240,5 @@ def load_model(path, spec: ModelSpec, comm=None, expert_ids=None, device="cpu") 
     reader = CheckpointReader(path, spec.fp8_block, device)
     load_weights(model, reader)
     model.bytes_read = reader.bytes_read
+    model.reordered_bytes = reorder_weights(model)  # the CPU's oneDNN copies (model/gemm.py), before the KV plan
     return model.eval().requires_grad_(False)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..model.gemm import Linear, linear
 from ..model.layers import RMSNorm, apply_rope, rope_cos_sin
 from ..model.spec import rope_frequencies
 
@@ -134,16 +135,16 @@ class DSparkLayer(nn.Module):
         d, hd = c.hidden_size, c.head_dim
         self.c = c
         self.input_norm = RMSNorm(d, c.rms_norm_eps)
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = Linear(d, d, bias=False)
+        self.k_proj = Linear(d, d, bias=False)
+        self.v_proj = Linear(d, d, bias=False)
+        self.o_proj = Linear(d, d, bias=False)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
         self.post_norm = RMSNorm(d, c.rms_norm_eps)
-        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.gate_proj = Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, d, bias=False)
         self.packed = None  # serving: (qkv [3d, d], gate_up [2I, d], qk_norm [2, 1, hd]) weights (`pack`)
 
     def pack(self) -> None:
@@ -186,7 +187,7 @@ class DSparkLayer(nn.Module):
         cos, sin = rope
         packed = self.packed is not None and not torch.is_grad_enabled()
         if packed:  # (the same values: one GEMM for q, k, v; q and k normed and rotated together)
-            qkv = F.linear(h, self.packed[0]).view(B, Q, 3, H, D)
+            qkv = linear(h, self.packed[0]).view(B, Q, 3, H, D)
             qk = apply_rope(_rms_norm_rows(qkv[:, :, :2], self.packed[2], self.c.rms_norm_eps).view(B, Q, 2 * H, D),
                             cos, sin)
             (q, k), v = qk.split(H, dim=2), qkv[:, :, 2]
@@ -206,7 +207,7 @@ class DSparkLayer(nn.Module):
         x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, H * D))
         h = self.post_norm(x)
         if packed:
-            gate, up = F.linear(h, self.packed[1]).chunk(2, dim=-1)
+            gate, up = linear(h, self.packed[1]).chunk(2, dim=-1)
             return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -222,23 +223,23 @@ class DSparkDrafter(nn.Module):
         # pair of tables is 3.7 GB in bf16, never to be allocated twice)
         self.register_buffer("embed", torch.empty(0, Ht), persistent=False)
         self.register_buffer("lm_head", torch.empty(0, Ht), persistent=False)
-        self.fc = nn.Linear(len(c.target_layer_ids) * Ht, d, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * Ht, d, bias=False)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
-        self.in_proj = nn.Linear(Ht, d, bias=False)
+        self.in_proj = Linear(Ht, d, bias=False)
         self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps)
-        self.out_proj = nn.Linear(d, Ht, bias=False)
+        self.out_proj = Linear(d, Ht, bias=False)
         self.out_norm = RMSNorm(Ht, c.rms_norm_eps)
         r = c.markov_rank
         if r:
-            self.markov_in = nn.Linear(Ht, r, bias=False)  # P: W1 = E_in P
-            self.markov_out = nn.Linear(r, Ht, bias=False)  # Q: W2 = Q E_out^T
+            self.markov_in = Linear(Ht, r, bias=False)  # P: W1 = E_in P
+            self.markov_out = Linear(r, Ht, bias=False)  # Q: W2 = Q E_out^T
             nn.init.zeros_(self.markov_out.weight)  # start as no bias
             if c.markov_gate:
-                self.markov_gate = nn.Linear(d, r, bias=False)
+                self.markov_gate = Linear(d, r, bias=False)
                 nn.init.zeros_(self.markov_gate.weight)  # start as the plain Markov head
         if c.confidence_head:
-            self.confidence = nn.Linear(d + r, 1)
+            self.confidence = Linear(d + r, 1)
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
         self._inv_freq: dict = {}  # device -> the rope's inverse frequencies (fp32, whatever the model's dtype)
         self._rope_table: dict = {}  # device -> (cos, sin) [rows, 1, head_dim] of positions 0 .. rows - 1 (serving)
@@ -300,7 +301,7 @@ class DSparkDrafter(nn.Module):
     def head(self, h):
         """final block rows h [..., d] -> (normed rows [..., d], base logits [..., V] fp32)."""
         hn = self.norm(h)
-        return hn, _fp32(F.linear(self.out_norm(self.out_proj(hn)), self.lm_head))
+        return hn, _fp32(linear(self.out_norm(self.out_proj(hn)), self.lm_head))
 
     def markov_factors(self):
         """W1 [V, r], W2 [r, V] (materialised and cached when not training)."""

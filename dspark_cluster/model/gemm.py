@@ -1,0 +1,79 @@
+"""The linear layers' matmul: torch's `F.linear`, or on the CPU oneDNN's over a weight reordered once.
+
+Why: on the CPUs this project is measured on (AMD EPYC, AVX-512) torch's fp32 matmul (MKL) multiplies a few
+rows at ~50 GFLOP/s: a 7-row x 256 x 768 product, a verify step's, costs 5x a row's (51 against 10 us); oneDNN's
+matmul over a weight kept in its blocked layout does it in 25 us, 64 rows in 0.45x MKL's time
+(`launch/bench_step.py --gemm`, BENCHMARKS.md "oneDNN matmul on the CPU"). It costs ~10 us a call whatever the size,
+so a product goes to it only when it is large enough (`ONEDNN_MIN_WORK`), never for one row, which MKL does at
+memory speed. The values are fp32 products either way (summed in another order: they differ in the last bits, as
+MKL's own do between one row and several). On other devices, with gradients, under torch.compile (inductor
+chooses its own kernels) and for other dtypes, it is `F.linear`.
+
+The reordered copy is kept on the weight tensor itself with its storage and version, so it is made once, goes with
+the weight, and is made again after an in-place load (a drafter version switch copies new values into the same
+tensors). It is a second copy of each weight it is used for (the dense one stays: other readers need it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# rows x in x out of a product from which oneDNN's call beats MKL's on the measured CPU (its ~10 us floor against
+# MKL's ~50 GFLOP/s): 256 x 256 from 7 rows, 768 x 256 from 3, 256 x 2048 from 2
+ONEDNN_MIN_WORK = 400_000
+_REORDER_ROWS = 16  # the batch size the weight's layout is chosen for (8-64 measured the same)
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs oneDNN's matmul (the rule in the module's docstring)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (_ONEDNN and x.device.type == "cpu" and rows > 1 and rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_WORK
+            and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.compiler.is_compiling())
+
+
+def reordered(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout, made once per storage and version and kept on the tensor."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can it change outside inference mode)
+        version = -1
+    key = (weight.data_ptr(), version)
+    kept = weight.__dict__.get("_onednn")
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            kept = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _REORDER_ROWS))
+        weight.__dict__["_onednn"] = kept
+    return kept[1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T + bias: `F.linear`'s result, by the faster kernel for this product."""
+    if use_onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, reordered(weight), bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def reorder_weights(module: nn.Module) -> int:
+    """Every `Linear`'s weight under `module` reordered for oneDNN now where it can run there (on the CPU, fp32 or
+    bf16): at load, so that the copies are in the memory the KV pool is sized from and the first step does not
+    pay for them. Returns the bytes the copies take."""
+    total = 0
+    for m in module.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, Linear) and _ONEDNN and w.device.type == "cpu" and w.dtype in _DTYPES:
+            reordered(w)
+            total += w.numel() * w.element_size()
+    return total
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `linear` (the same parameters, names and training behaviour)."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
