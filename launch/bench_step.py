@@ -4,7 +4,7 @@ sequence, at 1 and 8 sequences), and the LLM's TPOT at batch 1
 with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
-    python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype (this CPU's GEMM)
+    python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype, torch's and oneDNN's
     python launch/ab.py --script-here --trees 10172c6,. --keys b1.forward_ms,b1.ops_per_layer \
         -- launch/bench_step.py --json {json}
 
@@ -119,11 +119,18 @@ def gemm(rows=(1, 2, 4, 6, 8, 16, 64), k: int = 256, n: int = 768) -> dict:
     """us for one [rows, k] x [k, n] linear, fp32 and bf16, one thread: how the cost grows with the rows
     (a verify step's extra tokens, a batch's) on this CPU."""
     out = {}
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(n, k, dtype=dtype)
+        # oneDNN's matmul over the weight reordered once (what model/gemm.py runs on the CPU from a few rows on)
+        w_onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16) if onednn else None
         for m in rows:
             x = torch.randn(m, k, dtype=dtype)
-            out[f"{str(dtype).removeprefix('torch.')}_{m}"] = 1e3 * timed(lambda: torch.nn.functional.linear(x, w), 2000)
+            name = str(dtype).removeprefix('torch.')
+            out[f"{name}_{m}"] = 1e3 * timed(lambda: torch.nn.functional.linear(x, w), 2000)
+            if onednn:
+                out[f"{name}_onednn_{m}"] = 1e3 * timed(
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, w_onednn, None, "none", [], ""), 2000)
     return out
 
 
