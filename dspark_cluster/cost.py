@@ -19,8 +19,9 @@ import math
 import time
 from typing import Optional
 
-# memory kinds a device may hold, in the order reports print them
-MEMORY_KINDS = ("weights", "kv_pool", "kv_peak_used", "expert_staging", "context_stash", "drafter_weights",
+# memory kinds a device may hold, in the order reports print them (weights_reordered: the CPU's oneDNN copies of the
+# linear weights, model/gemm.py)
+MEMORY_KINDS = ("weights", "weights_reordered", "kv_pool", "kv_peak_used", "expert_staging", "context_stash", "drafter_weights",
                 "drafter_kv", "calibrator_state")
 # kinds that are held (allocated); kv_peak_used is a part of kv_pool, not more of it
 HELD_KINDS = tuple(k for k in MEMORY_KINDS if k != "kv_peak_used")

@@ -86,7 +86,8 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
     return {"role": "target", "rank": report["rank"], "kind": kind, "group": group,
             "kv_bytes_per_block": kv_bytes_per_block, "expert_bytes": report["expert_param_bytes"],
             "expert_staging_bytes": report["expert_staging_bytes"],
-            "memory": {"weights": report["param_bytes"], "kv_pool": kv_bytes_per_block * num_blocks,
+            "memory": {"weights": report["param_bytes"], "weights_reordered": report.get("reordered_weight_bytes", 0),
+                       "kv_pool": kv_bytes_per_block * num_blocks,
                        "context_stash": report.get("context_stash_peak_bytes", 0),
                        # speculative.placement target: the drafter beside the driver rank's shard
                        "drafter_weights": report.get("drafter_param_bytes", 0),

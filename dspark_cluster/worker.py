@@ -210,6 +210,7 @@ class Worker:
             "expert_param_bytes": expert,
             "expert_staging_bytes": self.peak_staging_bytes,  # peak; 0 until a rebalance stages experts here
             "bytes_read": self.model.bytes_read,
+            "reordered_weight_bytes": getattr(self.model, "reordered_bytes", 0),  # the CPU's oneDNN copies (gemm.py)
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
             "compile": self.compiled.stats() if self.compiled is not None else None,

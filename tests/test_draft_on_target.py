@@ -13,6 +13,7 @@ import time
 import pytest
 
 from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
+from dspark_cluster.model import gemm
 
 from conftest import dspark_proposer, random_prompts
 
@@ -84,7 +85,10 @@ def test_the_drafter_on_the_target_reads_the_targets_own_tables(target, drafter,
     assert m.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
     own = sum(p.numel() * p.element_size() for p in m.parameters())
-    assert llm.engine.cost_ledger()["memory"]["by_kind"]["drafter_weights"] == own
+    ledger = llm.engine.cost_ledger()["memory"]["by_kind"]
+    assert ledger["drafter_weights"] == own
+    # the CPU's oneDNN copies of the target's linear weights (model/gemm.py) are counted, as made at load
+    assert ledger["weights_reordered"] == model.reordered_bytes and (model.reordered_bytes > 0) == gemm._ONEDNN
     group = LLM(target, config={**target_config(drafter), "speculative": {
         **target_config(drafter)["speculative"], "placement": "group"}})
     g = dspark_proposer(group).model
