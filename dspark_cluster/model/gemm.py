@@ -3,7 +3,7 @@
 Why: on the CPUs this project is measured on (AMD EPYC, AVX-512) torch's fp32 matmul (MKL) multiplies a few
 rows at ~50 GFLOP/s: a 7-row x 256 x 768 product, a verify step's, costs 5x a row's (51 against 10 us); oneDNN's
 matmul over a weight kept in its blocked layout does it in 25 us, 64 rows in 0.45x MKL's time
-(`launch/bench_step.py --gemm`, BENCHMARKS.md "oneDNN matmul on the CPU"). It costs ~10 us a call whatever the size,
+(`launch/bench_step.py --gemm`, BENCHMARKS.md "oneDNN's matmul on the CPU"). It costs ~10 us a call whatever the size,
 so a product goes to it only when it is large enough (`ONEDNN_MIN_WORK`), never for one row, which MKL does at
 memory speed. The values are fp32 products either way (summed in another order: they differ in the last bits, as
 MKL's own do between one row and several). On other devices, with gradients, under torch.compile (inductor
@@ -66,7 +66,9 @@ def reorder_weights(module: nn.Module) -> int:
     total = 0
     for m in module.modules():
         w = getattr(m, "weight", None)
-        if isinstance(m, Linear) and _ONEDNN and w.device.type == "cpu" and w.dtype in _DTYPES:
+        # (a module whose weight is only read as views, as MLA's absorbed kv_b_proj, says so: `onednn = False`)
+        if isinstance(m, Linear) and getattr(m, "onednn", True) and _ONEDNN and w.device.type == "cpu" \
+                and w.dtype in _DTYPES:
             reordered(w)
             total += w.numel() * w.element_size()
     return total

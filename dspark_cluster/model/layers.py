@@ -238,6 +238,7 @@ class MLAttention(_PagedCache, nn.Module):
             self.qkv_a_proj = PackedLinear(H, [kv_a], bias=spec.o_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, spec.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.rank, self.num_heads * (self.nope + self.vdim))
+        self.kv_b_proj.onednn = False  # never called: read as the absorbed views (no reordered copy, gemm.py)
         self.o_proj = RowParallelLinear(self.num_heads * self.vdim, H, bias=spec.o_bias)
         self.kv_cache = None  # (latent_cache, None)
 
