@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 # rows x in x out of a product from which oneDNN's call beats MKL's on the measured CPU (its ~10 us floor against
-# MKL's ~50 GFLOP/s): 256 x 256 from 7 rows, 768 x 256 from 3, 256 x 2048 from 2
-ONEDNN_MIN_WORK = 400_000
+# MKL's ~50 GFLOP/s). Alone a product gains from ~400,000 (256 x 256 from 7 rows, 768 x 256 from 3); inside a forward
+# the steps of 7-16 rows were 2-3% faster leaving those under ~1,000,000 to MKL (BENCHMARKS.md: 256 x 256 from 16 rows,
+# 256 x 768 from 6, 256 x 2048 from 2)
+ONEDNN_MIN_WORK = 1_000_000
 _REORDER_ROWS = 16  # the batch size the weight's layout is chosen for (8-64 measured the same)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _DTYPES = (torch.float32, torch.bfloat16)
