@@ -32,8 +32,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs oneDNN's matmul (the rule in the module's docstring)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (_ONEDNN and x.device.type == "cpu" and rows > 1 and rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_WORK
+    n = x.numel()  # rows x in: the cheap tests first (it runs for every linear of every step)
+    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and _ONEDNN and x.device.type == "cpu"
             and x.dtype in _DTYPES and weight.dtype == x.dtype
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling())
