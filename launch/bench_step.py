@@ -123,12 +123,14 @@ def gemm(rows=(1, 2, 4, 6, 8, 16, 64), k: int = 256, n: int = 768) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(n, k, dtype=dtype)
         # oneDNN's matmul over the weight reordered once (what model/gemm.py runs on the CPU from a few rows on)
-        w_onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16) if onednn else None
+        w_onednn = None  # (bf16 only where oneDNN has its bf16 path: AVX-512 BW/VL/DQ)
+        if onednn and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            w_onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         for m in rows:
             x = torch.randn(m, k, dtype=dtype)
             name = str(dtype).removeprefix('torch.')
             out[f"{name}_{m}"] = 1e3 * timed(lambda: torch.nn.functional.linear(x, w), 2000)
-            if onednn:
+            if w_onednn is not None:
                 out[f"{name}_onednn_{m}"] = 1e3 * timed(
                     lambda: torch.ops.mkldnn._linear_pointwise(x, w_onednn, None, "none", [], ""), 2000)
     return out

@@ -83,6 +83,8 @@ def test_the_drafter_on_the_target_reads_the_targets_own_tables(target, drafter,
     m, model = dspark_proposer(llm).model, llm.engine.executor.worker.model
     assert m.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert m.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
+    if gemm._ONEDNN:  # and the target's CPU oneDNN copy of its LM head, not a second one (gemm.detached)
+        assert m.lm_head.__dict__["_onednn"][1] is model.lm_head.weight.__dict__["_onednn"][1]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
     own = sum(p.numel() * p.element_size() for p in m.parameters())
     ledger = llm.engine.cost_ledger()["memory"]["by_kind"]

@@ -368,13 +368,18 @@ def test_onednn_linear_gives_torchs_values_and_follows_in_place_loads():
         again = gemm.linear(seven, w)
         assert not torch.allclose(again, first)
         assert torch.allclose(again, torch.nn.functional.linear(seven, w), atol=1e-4, rtol=1e-5)
-        frozen = torch.randn(768, 256)  # an inference tensor (no version counter), as a drafter's cached factor
+        frozen = torch.randn(768, 256)  # an inference tensor: no version counter to follow, so torch's matmul
+        assert not gemm.use_onednn(seven, frozen)
+        frozen.copy_(torch.randn(768, 256))
         assert torch.allclose(gemm.linear(seven, frozen), torch.nn.functional.linear(seven, frozen), atol=1e-4, rtol=1e-5)
+        shared = gemm.detached(w)  # another module's reader of the weight: the same copy, not a second one
+        assert gemm.reordered(shared) is gemm.reordered(w)
     if gemm._ONEDNN:  # a loaded model's copies are made at load (counted before the KV pool is sized)
         model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
         assert model.reordered_bytes >= model.lm_head.weight.numel() * 4 and "_onednn" in model.lm_head.weight.__dict__
     layer = gemm.Linear(256, 768)
     x = seven.clone().requires_grad_(True)
     assert not gemm.use_onednn(x, layer.weight)
+    assert not gemm.use_onednn(seven, w, torch.zeros(768, requires_grad=True))  # a trainable bias: autograd's path
     layer(x).sum().backward()  # training goes through F.linear: gradients flow
     assert layer.weight.grad is not None and x.grad is not None

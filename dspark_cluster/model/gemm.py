@@ -27,25 +27,24 @@ from torch import nn
 ONEDNN_MIN_WORK = 1_000_000
 _REORDER_ROWS = 16  # the batch size the weight's layout is chosen for (8-64 measured the same)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_DTYPES = (torch.float32, torch.bfloat16)
+# bf16 only where oneDNN has its bf16 path (AVX-512 BW/VL/DQ): elsewhere its reorder refuses bf16 weights
+_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
-def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` runs oneDNN's matmul (the rule in the module's docstring)."""
+def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
+    """Whether `linear(x, weight, bias)` runs oneDNN's matmul (the rule in the module's docstring)."""
     n = x.numel()  # rows x in: the cheap tests first (it runs for every linear of every step)
     return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and _ONEDNN and x.device.type == "cpu"
-            and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and x.dtype in _DTYPES and weight.dtype == x.dtype and not weight.is_inference()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
             and not torch.compiler.is_compiling())
 
 
 def reordered(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] in oneDNN's blocked layout, made once per storage and version and kept on the tensor."""
-    try:
-        version = weight._version
-    except RuntimeError:  # an inference tensor has no version counter (nor can it change outside inference mode)
-        version = -1
-    key = (weight.data_ptr(), version)
+    """weight [out, in] (not an inference tensor: its in-place changes have no version to see) in oneDNN's blocked
+    layout, made once per storage and version and kept on the tensor."""
+    key = (weight.data_ptr(), weight._version)
     kept = weight.__dict__.get("_onednn")
     if kept is None or kept[0] != key:
         with torch.no_grad():
@@ -54,9 +53,19 @@ def reordered(weight: torch.Tensor) -> torch.Tensor:
     return kept[1]
 
 
+def detached(weight: torch.Tensor) -> torch.Tensor:
+    """weight.detach() that shares the weight's reordered copy (a detached tensor is a new object with the same
+    storage and version counter: without this it would make a second copy), for a reader of another module's weight
+    (a DSpark drafter reading its target's LM head)."""
+    out = weight.detach()
+    if "_onednn" in weight.__dict__:
+        out.__dict__["_onednn"] = weight.__dict__["_onednn"]
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T + bias: `F.linear`'s result, by the faster kernel for this product."""
-    if use_onednn(x, weight):
+    if use_onednn(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, reordered(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 

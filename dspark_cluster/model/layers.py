@@ -462,7 +462,7 @@ class MoE(nn.Module):
         to a bucket and the padding rows stay out of the load statistics."""
         xf = x if x.dtype == torch.float32 else x.float()
         gate_w = self.gate.weight if self.gate.weight.dtype == torch.float32 else self.gate.weight.float()
-        logits = linear(xf, gate_w)
+        logits = F.linear(xf, gate_w)  # (small, and for a 16-bit model gate_w is a new fp32 tensor a call)
         if self.study:
             logits = logits + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))

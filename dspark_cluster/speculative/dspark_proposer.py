@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..model.gemm import detached
 from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
 from .calibration import SequenceSample
@@ -95,7 +96,7 @@ class DSparkProposer:
         self.tables_shared = held is not None and all(
             t.shape == embed.shape and t.dtype == self.dtype and t.device == self.device for t in held)
         if self.tables_shared:
-            embed, lm_head = (t.detach() for t in held)
+            embed, lm_head = (detached(t) for t in held)  # (the LM head's CPU oneDNN copy shared too: gemm.py)
         self.model = load_drafter(path, embed, lm_head, self.device, self.dtype)
         self.model.pack()
         self.model.c.draft_passes = c.draft_passes
