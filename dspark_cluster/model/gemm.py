@@ -7,11 +7,10 @@ matmul over a weight kept in its blocked layout does it in 25 us, 64 rows in 0.4
 so a product goes to it only when it is large enough (`ONEDNN_MIN_WORK`), never for one row, which MKL does at
 memory speed. The values are fp32 products either way (summed in another order: they differ in the last bits, as
 MKL's own do between one row and several). On other devices, with gradients, under torch.compile (inductor
-chooses its own kernels) and for other dtypes, it is `F.linear`.
+chooses its own kernels), for inference tensors and for other dtypes, it is `F.linear`.
 
 The reordered copy is kept on the weight tensor itself with its storage and version, so it is made once, goes with
-the weight, and is made again after an in-place load (a drafter version switch copies new values into the same
-tensors). It is a second copy of each weight it is used for (the dense one stays: other readers need it).
+the weight, and is made again after an in-place load into the same tensor. It is a second copy of each weight it is used for (the dense one stays: other readers need it).
 """
 
 from __future__ import annotations
@@ -31,19 +30,25 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 _DTYPES = (torch.float32,) + ((torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
+def reorderable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can take this weight: on the CPU, in a dtype it runs, and not an inference tensor (whose
+    in-place changes have no version counter for the kept copy to follow)."""
+    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _DTYPES and not weight.is_inference()
+
+
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
     """Whether `linear(x, weight, bias)` runs oneDNN's matmul (the rule in the module's docstring)."""
     n = x.numel()  # rows x in: the cheap tests first (it runs for every linear of every step)
-    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and _ONEDNN and x.device.type == "cpu"
-            and x.dtype in _DTYPES and weight.dtype == x.dtype and not weight.is_inference()
+    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and weight.dtype == x.dtype
+            and x.device == weight.device and reorderable(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and not torch.compiler.is_compiling())
 
 
 def reordered(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] (not an inference tensor: its in-place changes have no version to see) in oneDNN's blocked
-    layout, made once per storage and version and kept on the tensor."""
+    """weight [out, in] (`reorderable`) in oneDNN's blocked layout, made once per storage and version and kept on
+    the tensor."""
     key = (weight.data_ptr(), weight._version)
     kept = weight.__dict__.get("_onednn")
     if kept is None or kept[0] != key:
@@ -78,8 +83,7 @@ def reorder_weights(module: nn.Module) -> int:
     for m in module.modules():
         w = getattr(m, "weight", None)
         # (a module whose weight is only read as views, as MLA's absorbed kv_b_proj, says so: `onednn = False`)
-        if isinstance(m, Linear) and getattr(m, "onednn", True) and _ONEDNN and w.device.type == "cpu" \
-                and w.dtype in _DTYPES:
+        if isinstance(m, Linear) and getattr(m, "onednn", True) and reorderable(w):
             reordered(w)
             total += w.numel() * w.element_size()
     return total
