@@ -93,6 +93,20 @@ def test_padded_batches_stay_within_their_slack():
             assert len(g) == 1 or len(g) * q[g].max() * span.max() <= PAD_SLACK * (q[g] * span).sum() + PAD_MIN_PAIRS
     same = pad_groups(np.arange(16), np.full(16, 200), np.full(16, 200), 16)
     assert len(same) == 1
+    # decodes (one query each) by their own rule: within it, and a batch of very different contexts does split
+    from dspark_cluster.model.attention import DECODE_PAD
+
+    slack, min_pairs = DECODE_PAD
+    for _ in range(50):
+        B = int(rng.integers(1, 130))
+        ctx = rng.integers(1, 600, B)
+        groups = pad_groups(np.arange(B), np.ones(B, dtype=np.int64), ctx, 16, *DECODE_PAD)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(B))
+        for g in groups:
+            span = -(-ctx[g] // 16) * 16
+            assert len(g) == 1 or len(g) * span.max() <= slack * span.sum() + min_pairs
+    assert len(pad_groups(np.arange(64), np.ones(64, dtype=np.int64), np.linspace(16, 512, 64).astype(np.int64), 16,
+                          *DECODE_PAD)) > 1
 
 
 # one step of decodes and prompt chunks: (prompt lengths, tokens cached before the step, the attention batches
@@ -126,3 +140,31 @@ def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, s
         for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
             ref = hf(torch.tensor([s])).logits[0, c:]
             assert rel_err(chunk, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_decodes_of_different_contexts_attend_in_groups_and_match_transformers(arch, checkpoint, monkeypatch):
+    """A decode step split into batches of similar context (here a rule that splits every distinct key span,
+    so five sequences make five batches): every row's logits match the reference's and those of one padded
+    batch (`group_decodes=False`, a compiled step's layout)."""
+    from dspark_cluster.model import attention
+
+    block_size, lengths = 4, [30, 5, 61, 9, 33]
+    seqs = random_prompts(lengths, seed=7)
+    path = checkpoint(arch)
+    model, tables = paged_model(path, lengths, block_size)
+    hf = hf_model(path)
+    monkeypatch.setattr(attention, "DECODE_PAD", (1.0, 0))
+    with torch.no_grad():
+        prior = torch.tensor([n - 1 for n in lengths])
+        positions, meta = build_metadata(prior, prior, tables, block_size)
+        model(torch.tensor([t for s in seqs for t in s[:-1]]), positions, meta)
+        ones, ctx, ids = torch.ones(len(seqs), dtype=torch.long), torch.tensor(lengths), torch.tensor([s[-1] for s in seqs])
+        positions, grouped = build_metadata(ones, ctx, tables, block_size)
+        assert [b.num_seqs for b in grouped.batches] == [1] * len(seqs) and all(b.max_q == 1 for b in grouped.batches)
+        logits = model.compute_logits(model(ids, positions, grouped))
+        positions, one = build_metadata(ones, ctx, tables, block_size, group_decodes=False)
+        assert len(one.batches) == 1
+        torch.testing.assert_close(logits, model.compute_logits(model(ids, positions, one)), rtol=1e-5, atol=1e-5)
+        for row, s in zip(logits, seqs):
+            assert rel_err(row, hf(torch.tensor([s])).logits[0, -1]) <= 1e-4

@@ -4,7 +4,7 @@ The KV cache is a pool of fixed-size blocks; a sequence's `block_table` lists it
 and `slot_mapping[t] = block * block_size + offset` says where new token t's K/V is written.
 Attention gathers each sequence's blocks into a padded [B, S] view and runs SDPA with a causal
 mask built from positions, so a batch can mix prefill chunks and decodes of any lengths; decodes
-and longer queries are padded separately, and longer queries in groups of similar size (`pad_groups`).
+and longer queries are padded separately, each in groups of similar size (`pad_groups`).
 """
 
 from __future__ import annotations
@@ -99,12 +99,13 @@ _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.flo
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                   min_blocks: int = 1):
+                   min_blocks: int = 1, group_decodes: bool = True):
     """Positions and attention layout for one step.
 
     query_lens [B]: new tokens per sequence; context_lens [B]: KV length after this step;
     block_tables [B, max_blocks] long; min_blocks: the fewest blocks a batch's keys span (a compiled
-    step's dynamic key length must not be 1 block). Returns (positions [T], AttentionMetadata).
+    step's dynamic key length must not be 1 block); group_decodes: decodes in groups of similar context
+    (`DECODE_PAD`), or False: one batch (a compiled step's layout). Returns (positions [T], AttentionMetadata).
     Index arithmetic runs in numpy: these arrays are tiny, and a numpy op costs ~1 us against
     ~5-10 us for a torch op, which adds up over the ~30 of them per step.
     """
@@ -116,9 +117,10 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     positions = (ctx - q)[seq_of_token] + idx_in_seq
     slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
     decode = q == 1
-    # decodes: one batch (a compiled step's layout); longer queries: groups of similar size
-    groups = ([np.flatnonzero(decode)] if decode.any() else []) + \
-        (pad_groups(np.flatnonzero(~decode), q, ctx, block_size) if not decode.all() else [])
+    # decodes and longer queries apart, each in groups of similar size (decodes in one batch if asked)
+    decodes = np.flatnonzero(decode)
+    groups = (pad_groups(decodes, q, ctx, block_size, *DECODE_PAD) if group_decodes else [decodes] if len(decodes) else []) \
+        + (pad_groups(np.flatnonzero(~decode), q, ctx, block_size) if not decode.all() else [])
     if len(groups) == 1:
         batches = [_batch(None, q, ctx, bt, block_size, min_blocks)]
     else:
@@ -134,12 +136,19 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
 # tokens padded beside one of 24 would attend 10x its keys; a few short verify rows stay together (their padding
 # costs less than another batch's ops).
 PAD_SLACK, PAD_MIN_PAIRS = 1.25, 4096
+# Decodes: another batch costs fewer ops (no query padding or permutes: ~6 a layer), and a padded key is a gathered
+# cache row and its dot products, so they split sooner. Measured on the bundled model (contexts 16-512, one padded
+# batch against groups; `launch/bench_decode_groups.py`): 64 decodes in 3 groups 0.85x the forward's time, 128 in 4
+# 0.62x; 8 decodes split in two (2,000 fewer padded pairs a split) were 1.06x: hence 2,048 (BENCHMARKS.md "Decodes
+# attend in groups of similar context")
+DECODE_PAD = (1.05, 2048)
 
 
-def pad_groups(seqs: np.ndarray, q: np.ndarray, ctx: np.ndarray, block_size: int) -> list:
+def pad_groups(seqs: np.ndarray, q: np.ndarray, ctx: np.ndarray, block_size: int, slack: float = PAD_SLACK,
+               min_pairs: int = PAD_MIN_PAIRS) -> list:
     """Split sequences `seqs` (indices into q [B] query lengths, ctx [B] context lengths) into padded
     batches: largest key span first, a sequence joins the open batch while the batch's padded query-key
-    pairs stay within PAD_SLACK x its own + PAD_MIN_PAIRS. Returns index arrays, each in ascending order
+    pairs stay within slack x its own + min_pairs. Returns index arrays, each in ascending order
     (the step's token order)."""
     if len(seqs) < 2:
         return [seqs] if len(seqs) else []
@@ -149,7 +158,7 @@ def pad_groups(seqs: np.ndarray, q: np.ndarray, ctx: np.ndarray, block_size: int
     for i in order.tolist():
         qi, si = int(q[seqs[i]]), int(span[i])
         mq, ms, o = max(max_q, qi), max(max_s, si), own + qi * si
-        if cur and (len(cur) + 1) * mq * ms > PAD_SLACK * o + PAD_MIN_PAIRS:
+        if cur and (len(cur) + 1) * mq * ms > slack * o + min_pairs:
             groups.append(np.sort(seqs[cur]))
             cur, mq, ms, o = [], qi, si, qi * si
         cur.append(i)

@@ -81,7 +81,8 @@ class CompiledDecode:
         # at least two blocks a row: a dynamic length of 1 would be specialised (and recompiled)
         tables = torch.full((Bp, max(2, block_tables.shape[1])), self.model.scratch_block, dtype=torch.long)
         tables[:B, : block_tables.shape[1]] = block_tables
-        positions, meta = build_metadata(torch.ones(Bp, dtype=torch.long), ctx, tables, block_size, min_blocks=2)
+        positions, meta = build_metadata(torch.ones(Bp, dtype=torch.long), ctx, tables, block_size, min_blocks=2,
+                                         group_decodes=False)
         meta = meta.to(self.device, self.model.lm_head.weight.dtype)
         b = meta.batches[0]
         torch._dynamo.mark_dynamic(b.blocks, 0)  # the key length changes every block_size tokens
