@@ -295,7 +295,8 @@ class RayDrafterGroup:
         """The cost ledger's devices: each drafter actor (its weights and KV now, the DSpark context's
         peak) and the calibrator (its drafter copies, optimiser state, versions and replay buffer)."""
         out = [{"role": "drafter", "rank": r["rank"], "kind": device_kind(r["device"]),
-                "memory": {"drafter_weights": r.get("param_bytes", 0), "drafter_kv": r.get("kv_bytes", 0)}}
+                "memory": {"drafter_weights": r.get("param_bytes", 0), "drafter_kv": r.get("kv_bytes", 0),
+                           "drafter_weights_reordered": r.get("reordered_bytes", 0)}}
                for r in self._gather([a.report.remote() for a in self.actors], self.timeout_s)]
         if self.calibrator is not None:
             m = self._gather([self.calibrator.memory_report.remote()], self.timeout_s)[0]

@@ -19,10 +19,10 @@ import math
 import time
 from typing import Optional
 
-# memory kinds a device may hold, in the order reports print them (weights_reordered: the CPU's oneDNN copies of the
-# linear weights, model/gemm.py)
+# memory kinds a device may hold, in the order reports print them (weights_reordered, drafter_weights_reordered: the
+# CPU's oneDNN copies of the linear weights, model/gemm.py)
 MEMORY_KINDS = ("weights", "weights_reordered", "kv_pool", "kv_peak_used", "expert_staging", "context_stash", "drafter_weights",
-                "drafter_kv", "calibrator_state")
+                "drafter_weights_reordered", "drafter_kv", "calibrator_state")
 # kinds that are held (allocated); kv_peak_used is a part of kv_pool, not more of it
 HELD_KINDS = tuple(k for k in MEMORY_KINDS if k != "kv_peak_used")
 COMM_KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "hidden_state_export")

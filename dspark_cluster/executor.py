@@ -91,6 +91,7 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
                        "context_stash": report.get("context_stash_peak_bytes", 0),
                        # speculative.placement target: the drafter beside the driver rank's shard
                        "drafter_weights": report.get("drafter_param_bytes", 0),
+                       "drafter_weights_reordered": report.get("drafter_reordered_bytes", 0),
                        "drafter_kv": report.get("drafter_kv_bytes", 0)},
             # that drafter's start-up profile: rows -> seconds of a drafting call (the verify planner's prior)
             "drafter_profile": report.get("drafter_profile")}

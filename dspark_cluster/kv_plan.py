@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .config import Config
+from .model import gemm
 from .model.spec import ModelSpec
 
 COLUMNS = (
@@ -52,10 +53,11 @@ class _Shard:
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
 
-def rank_weights(cfg: Config, spec: ModelSpec, rank: int) -> dict:
+def rank_weights(cfg: Config, spec: ModelSpec, rank: int, device_type: str = "cuda") -> dict:
     """The shard rank `rank` holds, built on the meta device as the worker builds it (TP slices of
     attention, dense MLPs and the vocabulary; its slots of the experts, spread over the whole world):
-    {"weight_bytes", "expert_bytes", "num_params", "shapes": {name: shape}}."""
+    {"weight_bytes", "expert_bytes", "num_params", "shapes": {name: shape}, "reordered_bytes"}: on a
+    `device_type` "cpu" the loader's oneDNN copies of the linear weights too (model/gemm.py), else 0."""
     from .model.model import DecoderModel
     from .placement import default_placement
 
@@ -75,6 +77,8 @@ def rank_weights(cfg: Config, spec: ModelSpec, rank: int) -> dict:
         "expert_bytes": nbytes(t for n, t in tensors.items() if n.endswith((".w13", ".w2"))),
         "num_params": sum(t.numel() for t in tensors.values()),
         "shapes": {n: tuple(t.shape) for n, t in tensors.items()},
+        "reordered_bytes": nbytes(gemm.linear_weights(model))
+        if device_type == "cpu" and gemm.runs_dtype(spec.dtype) else 0,
     }
 
 
@@ -110,8 +114,9 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
     blocks_per_seq = math.ceil(ctx / sc.block_size)
     rows = []
     for rank in range(tp * dp):
-        w = rank_weights(cfg, spec, rank)
-        left = max(0, total - w["weight_bytes"])
+        w = rank_weights(cfg, spec, rank, device_type)
+        held = w["weight_bytes"] + w["reordered_bytes"]
+        left = max(0, total - held)
         # CPU: the host's memory is shared by every worker on it (all of them, at worst)
         sharing = 1 if device_type == "cuda" else tp * dp
         if isinstance(sc.num_kv_blocks, int):
@@ -125,6 +130,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                 "dp_rank": rank // tp,
                 "attention": spec.attention,
                 "weight_bytes": w["weight_bytes"],
+                "reordered_weight_bytes": w["reordered_bytes"],  # the CPU's oneDNN copies (model/gemm.py)
                 "expert_bytes": w["expert_bytes"],
                 "num_params": w["num_params"],
                 "kv_heads_per_rank": kv_heads,
@@ -139,7 +145,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                 "seqs_at_context_len": num_blocks // blocks_per_seq,
                 "device_type": device_type,
                 "device_memory": total,
-                "headroom_bytes": total - w["weight_bytes"] - (num_blocks + 1) * per_block,
+                "headroom_bytes": total - held - (num_blocks + 1) * per_block,
             }
         )
     return rows
@@ -179,7 +185,8 @@ def format_kv_plan(rows: list[dict]) -> str:
     for row in rows:  # one line per distinct rank layout (the first rank that has it)
         distinct.setdefault((row["weight_bytes"], row["kv_pool_bytes"]), row)
     for x in distinct.values():
-        lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}) + KV "
+        copies = f" + their oneDNN copies {gib(x['reordered_weight_bytes'])}" if x["reordered_weight_bytes"] else ""
+        lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}){copies} + KV "
                      f"{gib(x['kv_pool_bytes'])} + headroom {gib(x['headroom_bytes'])} = {what} "
                      f"{gib(x['device_memory'])}")
     lines.append(_note(rows))

@@ -91,12 +91,18 @@ def test_the_drafter_on_the_target_reads_the_targets_own_tables(target, drafter,
     assert ledger["drafter_weights"] == own
     # the CPU's oneDNN copies of the target's linear weights (model/gemm.py) are counted, as made at load
     assert ledger["weights_reordered"] == model.reordered_bytes and (model.reordered_bytes > 0) == gemm._ONEDNN
+    # and the drafter's own (made at its load, before the KV plan): its serving weights, not the target's LM head
+    def reordered(weights):
+        return sum(w.numel() * w.element_size() for w in weights) if gemm._ONEDNN else 0
+    assert ledger["drafter_weights_reordered"] == reordered(m.serving_weights(tables=False)) > 0 or not gemm._ONEDNN
+    assert all("_onednn" in w.__dict__ for w in m.serving_weights()) == gemm._ONEDNN
     group = LLM(target, config={**target_config(drafter), "speculative": {
         **target_config(drafter)["speculative"], "placement": "group"}})
     g = dspark_proposer(group).model
     assert g.embed.data_ptr() != group.engine.executor.worker.model.model.embed_tokens.weight.data_ptr()
     tables = sum(b.numel() * b.element_size() for b in (g.embed, g.lm_head))
     assert group.engine.cost_ledger()["memory"]["by_kind"]["drafter_weights"] == own + tables
+    assert group.engine.cost_ledger()["memory"]["by_kind"]["drafter_weights_reordered"] == reordered(g.serving_weights())
 
 
 @pytest.mark.parametrize("fails_in", ["draft", "ingest"])

@@ -6,6 +6,7 @@ import torch
 
 from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.errors import ConfigError
+from dspark_cluster.model import gemm
 
 from conftest import build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position
 from test_speculative import small_vocab  # noqa: F401 -- fixture
@@ -440,6 +441,8 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, passe
         for d in live["memory"]["per_device"]:
             assert (d["weights"] > 0 and d["kv_pool"] > 0) if d["role"] == "target" else d["weights"] == 0
             assert (d["drafter_weights"] > 0) == (d["role"] == "drafter")
+            # each drafter actor's CPU oneDNN copies (model/gemm.py), made at its load
+            assert (d["drafter_weights_reordered"] > 0) == (d["role"] == "drafter" and gemm._ONEDNN)
         # a run's ledger (run_workload) also counts the bytes each collective sent
         from dspark_cluster.workload import WorkloadRequest
 

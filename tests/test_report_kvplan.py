@@ -158,6 +158,12 @@ def test_kv_plan_matches_engine(checkpoint, arch, attention):
     assert row["attention"] == attention and row["rank"] == 0 and row["tp_rank"] == 0
     assert row["kv_bytes_per_block"] == _loaded_bytes_per_block(path, 8)
     assert row["kv_bytes_per_token"] == row["kv_bytes_per_token_per_layer"] * spec.num_layers
+    # on the CPU the loader's oneDNN copies of the linear weights (model/gemm.py) are planned as the engine makes them
+    from dspark_cluster.model.loader import load_model
+
+    assert row["reordered_weight_bytes"] == load_model(path, spec).reordered_bytes
+    assert row["device_type"] != "cpu" or row["headroom_bytes"] == row["device_memory"] - row["weight_bytes"] \
+        - row["reordered_weight_bytes"] - row["kv_pool_bytes"]
 
     cfg2 = load_config({"model": {"path": str(path), "dtype": "float32"}, "scheduler": {"block_size": 8},
                         "parallel": {"tensor": 2, "executor": "ray"}})

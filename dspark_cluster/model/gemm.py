@@ -30,10 +30,15 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 _DTYPES = (torch.float32,) + ((torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
+def runs_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's matmul runs this dtype on this machine's CPU."""
+    return _ONEDNN and dtype in _DTYPES
+
+
 def reorderable(weight: torch.Tensor) -> bool:
     """Whether oneDNN can take this weight: on the CPU, in a dtype it runs, and not an inference tensor (whose
     in-place changes have no version counter for the kept copy to follow)."""
-    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _DTYPES and not weight.is_inference()
+    return weight.device.type == "cpu" and runs_dtype(weight.dtype) and not weight.is_inference()
 
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
@@ -75,18 +80,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def reorder_weights(module: nn.Module) -> int:
-    """Every `Linear`'s weight under `module` reordered for oneDNN now where it can run there (on the CPU, fp32 or
-    bf16): at load, so that the copies are in the memory the KV pool is sized from and the first step does not
-    pay for them. Returns the bytes the copies take."""
-    total = 0
-    for m in module.modules():
-        w = getattr(m, "weight", None)
-        # (a module whose weight is only read as views, as MLA's absorbed kv_b_proj, says so: `onednn = False`)
-        if isinstance(m, Linear) and getattr(m, "onednn", True) and reorderable(w):
+def reorder_tensors(weights) -> int:
+    """Each weight [out, in] reordered for oneDNN now where it can run there (on the CPU, fp32 or bf16): at load, so
+    that the copies are in the memory the KV pool is sized from and the first step does not pay for them. Returns
+    the bytes the copies take (the dense size; each tensor once)."""
+    total, seen = 0, set()
+    for w in weights:
+        if id(w) not in seen and reorderable(w):
+            seen.add(id(w))
             reordered(w)
             total += w.numel() * w.element_size()
     return total
+
+
+def linear_weights(module: nn.Module) -> list:
+    """Every `Linear`'s weight under `module` that the loader reorders (a module whose weight is only read as views,
+    as MLA's absorbed kv_b_proj, says so: `onednn = False`)."""
+    return [m.weight for m in module.modules() if isinstance(m, Linear) and getattr(m, "onednn", True)]
+
+
+def reorder_weights(module: nn.Module) -> int:
+    """`reorder_tensors` of `linear_weights(module)`: what `load_model` runs."""
+    return reorder_tensors(linear_weights(module))
 
 
 class Linear(nn.Linear):

@@ -145,7 +145,8 @@ class LocalDrafterGroup:
     def device_reports(self) -> list[dict]:
         """One entry with `shares_device`: the drafter's memory is on the target's device."""
         report = self.proposer.memory_report() if hasattr(self.proposer, "memory_report") else {}  # n-gram holds none
-        memory = {"drafter_weights": report.get("param_bytes", 0), "drafter_kv": report.get("kv_bytes", 0)}
+        memory = {"drafter_weights": report.get("param_bytes", 0), "drafter_kv": report.get("kv_bytes", 0),
+                  "drafter_weights_reordered": report.get("reordered_bytes", 0)}
         if self.calibrator is not None:
             memory["calibrator_state"] = self.calibrator.memory_report()["total"]
         return [{"role": "drafter", "shares_device": True, "memory": memory}]

@@ -277,6 +277,17 @@ class DSparkDrafter(nn.Module):
         for layer in self.layers:
             layer.pack()
 
+    def serving_weights(self, tables: bool = True) -> list:
+        """The weights a packed serving round multiplies rows by through `gemm.linear` (what may take oneDNN's
+        reordered copy on the CPU): each layer's packed q/k/v and gate/up, the k and v views its context rows read,
+        o and down; the fuse, the block's input and output projections; the LM head unless `tables` is False (a
+        target's own, reordered and counted with the target). The Markov head's and the confidence's products are
+        too small for it (gemm.ONEDNN_MIN_WORK)."""
+        out = [w for layer in self.layers for w in (*layer.packed[:2], layer.k_proj.weight, layer.v_proj.weight,
+                                                    layer.o_proj.weight, layer.down_proj.weight)]
+        out += [self.fc.weight, self.in_proj.weight, self.out_proj.weight]
+        return out + ([self.lm_head] if tables else [])
+
     def load_trained(self, state: dict) -> None:
         """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
         self.load_state_dict(state, strict=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..model.gemm import detached
+from ..model.gemm import detached, reorder_tensors
 from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
 from .calibration import SequenceSample
@@ -99,6 +99,8 @@ class DSparkProposer:
             embed, lm_head = (detached(t) for t in held)  # (the LM head's CPU oneDNN copy shared too: gemm.py)
         self.model = load_drafter(path, embed, lm_head, self.device, self.dtype)
         self.model.pack()
+        # the CPU's oneDNN copies made now, before the target's KV plan reads the memory left (gemm.py), and counted
+        self.reordered_bytes = reorder_tensors(self.model.serving_weights(tables=not self.tables_shared))
         self.model.c.draft_passes = c.draft_passes
         self.c = self.model.c  # one config: what drafting and calibration's forward both read
         self.layer_ids = tuple(c.target_layer_ids)
@@ -279,14 +281,15 @@ class DSparkProposer:
         """param_bytes (with the target's tables, unless they are the target's own tensors: tables_shared),
         shared_table_bytes (the tables it reads), context_kv_bytes now, and kv_bytes: the context's peak, sampled
         every 8th proposal (the cost ledger's drafter KV); rope_table_bytes, the rope's table of positions (a
-        cache of what it computes, apart from the weights as the target's rope table is)."""
+        cache of what it computes, apart from the weights as the target's rope table is); reordered_bytes, the CPU's
+        oneDNN copies of its serving weights (gemm.py; a shared LM head's is the target's)."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         rope = sum(t.numel() * t.element_size() for cs in self.model._rope_table.values() for t in cs)
         tables = sum(b.numel() * b.element_size() for b in self.model.buffers())
         ctx = self._context_bytes()
         self.peak_context_bytes = max(self.peak_context_bytes, ctx)
         return {"param_bytes": params + (0 if self.tables_shared else tables), "shared_table_bytes": tables,
-                "rope_table_bytes": rope,
+                "rope_table_bytes": rope, "reordered_bytes": self.reordered_bytes,
                 "tables_shared_with_target": self.tables_shared, "context_kv_bytes": ctx,
                 "kv_bytes": self.peak_context_bytes, "bytes_read": params}
 

@@ -193,6 +193,7 @@ class TargetDrafter:
             return {}
         r = self.proposer.memory_report()
         laws = sum(law.numel() * law.element_size() for _, _, law in self.laws.values())
-        return {"drafter_param_bytes": r["param_bytes"], "drafter_kv_bytes": r["kv_bytes"] + laws,
+        return {"drafter_param_bytes": r["param_bytes"], "drafter_reordered_bytes": r.get("reordered_bytes", 0),
+                "drafter_kv_bytes": r["kv_bytes"] + laws,
                 "drafter_rows_proposed": self.num_proposed, "drafter_misses": self.proposer.misses,
                 "drafter_resyncs": self.proposer.resyncs, "drafter_profile": self.profile}

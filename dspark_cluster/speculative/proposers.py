@@ -164,6 +164,7 @@ class DraftModelProposer:
                 split += nbytes
         return {"param_bytes": split + replicated, "split_param_bytes": split,
                 "replicated_param_bytes": replicated, "bytes_read": self.model.bytes_read,
+                "reordered_bytes": getattr(self.model, "reordered_bytes", 0),  # the CPU's oneDNN copies (gemm.py)
                 "kv_blocks": self.blocks.num_blocks,
                 "kv_bytes": self.blocks.num_blocks * kv_bytes_per_block(self.model, self.block_size)}
 
