@@ -5,6 +5,7 @@ with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
     python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype, torch's and oneDNN's
+    python launch/bench_step.py --experts   # only: a MoE layer's experts by rows a slot, grouped matmul or by slot
     python launch/ab.py --script-here --trees 10172c6,. --keys b1.forward_ms,b1.ops_per_layer \
         -- launch/bench_step.py --json {json}
 
@@ -136,18 +137,56 @@ def gemm(rows=(1, 2, 4, 6, 8, 16, 64), k: int = 256, n: int = 768) -> dict:
     return out
 
 
+def experts(per_slot=(2, 8, 16, 24, 32, 48, 64, 128, 445), slots: int = 8, hidden: int = 256, inter: int = 128) -> dict:
+    """One MoE layer's experts (the bundled model's shapes: 8 slots, 256 -> 2 x 128 -> 256), rows sorted by slot, by
+    average rows a slot: torch's grouped matmul, and slot by slot with oneDNN's matmul over the plain weights (what
+    model/layers.py runs on the CPU from gemm.ONEDNN_EXPERT_MIN_ROWS) and over reordered copies, us."""
+    import torch.nn.functional as F
+
+    def by_slot(xs, counts, w13, w2, product):
+        out, start = torch.empty_like(xs), 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gate, up = product(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+                out[start:start + n] = product(F.silu(gate) * up, w2[e])
+                start += n
+        return out
+
+    def grouped(xs, counts, w13t, w2t):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(xs, w13t, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2t, offs=offs)
+
+    onednn = torch.ops.mkldnn._linear_pointwise
+    w13, w2 = torch.randn(slots, 2 * inter, hidden) * 0.05, torch.randn(slots, hidden, inter) * 0.05
+    w13r, w2r = ([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws] for ws in (w13, w2))
+    out, gen = {}, torch.Generator().manual_seed(0)
+    for m in per_slot:
+        counts = torch.bincount(torch.randint(0, slots, (m * slots,), generator=gen), minlength=slots)
+        xs = torch.randn(m * slots, hidden)
+        n = max(20, 4000 // m)
+        out[f"grouped_{m}"] = 1e3 * timed(lambda: grouped(xs, counts, w13.transpose(1, 2), w2.transpose(1, 2)), n)
+        out[f"plain_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, w13, w2, lambda x, w: onednn(x, w, None, "none", [], "")), n)
+        out[f"reordered_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, list(range(slots)), list(range(slots)),
+                                                            lambda x, e: onednn(x, (w13r if x.shape[-1] == hidden else w2r)[e],
+                                                                                None, "none", [], "")), n)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--gemm", action="store_true", help="only one linear's time by rows and dtype")
+    ap.add_argument("--experts", action="store_true", help="only a MoE layer's experts by rows a slot")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.gemm:
-        res = gemm()
-        print("a 256 -> 768 linear, us: " + ", ".join(f"{key} {us:.1f}" for key, us in res.items()), flush=True)
+    if args.gemm or args.experts:
+        res = gemm() if args.gemm else experts()
+        what = "a 256 -> 768 linear" if args.gemm else "a MoE layer's experts (8 slots, by rows a slot)"
+        print(f"{what}, us: " + ", ".join(f"{key} {us:.1f}" for key, us in res.items()), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)

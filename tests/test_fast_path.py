@@ -383,3 +383,31 @@ def test_onednn_linear_gives_torchs_values_and_follows_in_place_loads():
     assert not gemm.use_onednn(seven, w, torch.zeros(768, requires_grad=True))  # a trainable bias: autograd's path
     layer(x).sum().backward()  # training goes through F.linear: gradients flow
     assert layer.weight.grad is not None and x.grad is not None
+
+
+def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
+    """Many rows a slot on the CPU: a MoE layer's experts run slot by slot on oneDNN over the plain weights
+    (gemm.use_onednn_experts) and give the grouped matmul's values (fp32 products summed in another order), an
+    empty slot and padding rows past the last slot included (zeros); few rows a slot, or gradients, keep the
+    grouped matmul."""
+    from dspark_cluster.model import gemm, layers
+
+    torch.manual_seed(0)
+    E, H, I = 8, 64, 32
+    w13, w2 = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6
+    counts = torch.tensor([60, 0, 70, 45, 50, 55, 48, 52])
+    n = int(counts.sum())
+    xs = torch.randn(n + 4, H)  # 4 padding rows (expert parallelism's fixed-size buffers)
+    assert gemm.use_onednn_experts(xs, w13) == gemm._ONEDNN
+    got = layers.grouped_experts(xs, counts, w13, w2)
+    ref = layers.experts_by_slot(xs, counts, w13, w2)  # F.linear slot by slot: torch's own products
+    torch.testing.assert_close(got[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    assert (got[n:] == 0).all() and (ref[n:] == 0).all()
+    grouped = layers._grouped_mm_experts(xs, counts, w13, w2)
+    if grouped is not None:
+        torch.testing.assert_close(got[:n], grouped[:n], rtol=1e-5, atol=1e-5)
+    assert not gemm.use_onednn_experts(xs[: 8 * 16], w13)  # 16 rows a slot: the grouped matmul is faster
+    assert not gemm.use_onednn_experts(xs.clone().requires_grad_(), w13)
+    with torch.inference_mode():  # as the worker runs: inference tensors take it too (nothing is kept on them)
+        xi, w13i, w2i = xs.clone(), w13.clone(), w2.clone()
+        torch.testing.assert_close(layers.grouped_experts(xi, counts, w13i, w2i)[:n], ref[:n], rtol=1e-5, atol=1e-5)

@@ -168,3 +168,24 @@ def test_decodes_of_different_contexts_attend_in_groups_and_match_transformers(a
         torch.testing.assert_close(logits, model.compute_logits(model(ids, positions, one)), rtol=1e-5, atol=1e-5)
         for row, s in zip(logits, seqs):
             assert rel_err(row, hf(torch.tensor([s])).logits[0, -1]) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_a_long_prompt_whose_experts_run_slot_by_slot_matches_transformers(arch, checkpoint, monkeypatch):
+    """A prompt long enough that each MoE layer's experts run slot by slot on oneDNN (on the CPU, from
+    gemm.ONEDNN_EXPERT_MIN_ROWS rows a slot) matches the reference at every position."""
+    from dspark_cluster.model import gemm, layers
+
+    calls = []
+    by_slot = layers.experts_by_slot
+    monkeypatch.setattr(layers, "experts_by_slot", lambda *a, **kw: calls.append(a[0].shape[0]) or by_slot(*a, **kw))
+    path = checkpoint(arch)
+    (prompt,) = random_prompts([300], seed=11)
+    model, tables = paged_model(path, [300], 16, num_blocks=32)
+    hf = hf_model(path)
+    with torch.no_grad():
+        lens = torch.tensor([300])
+        positions, meta = build_metadata(lens, lens, tables, 16)
+        logits = model.compute_logits(model(torch.tensor(prompt), positions, meta))
+        assert rel_err(logits, hf(torch.tensor([prompt])).logits[0]) <= 1e-4
+    assert bool(calls) == gemm._ONEDNN and all(n >= 300 for n in calls)

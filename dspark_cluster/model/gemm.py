@@ -51,6 +51,28 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
             and not torch.compiler.is_compiling())
 
 
+# Rows a slot (on average) from which a MoE layer's experts run as one oneDNN product a slot, over the plain weights
+# (no reordered copy: at these sizes oneDNN's own handling of a plain weight costs ~5-15% more than a kept copy, and the
+# experts are most of a MoE model's weights), rather than as torch's CPU grouped matmul, a loop of MKL products that is
+# slow at large row counts. The bundled model's 8 slots (`launch/bench_step.py --experts`), time over the grouped
+# matmul's by rows a slot: 16 1.25x, 24 1.08x, 32 0.97x, 48 0.80x, 64 0.74x, 128 0.63x, 445 (a prompt step's) 0.31x.
+ONEDNN_EXPERT_MIN_ROWS = 48
+
+
+def use_onednn_experts(xs: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether the experts of rows xs [N, H] over stacked weights w13 [n_slots, 2I, H] run slot by slot on oneDNN
+    (`layers.grouped_experts`): on the CPU, in a dtype it runs, without gradients, at ONEDNN_EXPERT_MIN_ROWS rows a
+    slot or more."""
+    return (xs.shape[0] >= ONEDNN_EXPERT_MIN_ROWS * w13.shape[0] and xs.device.type == "cpu" and runs_dtype(xs.dtype)
+            and w13.dtype == xs.dtype and w13.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (xs.requires_grad or w13.requires_grad)))
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T by oneDNN's matmul over the weight as it is (nothing kept)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 def reordered(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] (`reorderable`) in oneDNN's blocked layout, made once per storage and version and kept on
     the tensor."""

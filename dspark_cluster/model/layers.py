@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
-from .gemm import Linear, linear
+from .gemm import Linear, linear, plain_linear, use_onednn_experts
 from .spec import ModelSpec
 
 
@@ -361,16 +361,28 @@ def run_experts(xs, slots, w13, w2, w13t=None, w2t=None, padding: bool = True):
 def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     w13t: Optional[torch.Tensor] = None, w2t: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows sorted by slot, counts [n_slots] rows per slot -> each row through its slot's expert
-    (rows past the last slot's are left unspecified)."""
+    (rows past the last slot's are left unspecified): a grouped matmul a projection; on the CPU with many rows a
+    slot, oneDNN's product slot by slot (`gemm.use_onednn_experts`: torch's CPU grouped matmul is a loop of slower
+    products; the counts are read on the host, which on the CPU waits for nothing)."""
+    if use_onednn_experts(xs_sorted, w13):
+        return experts_by_slot(xs_sorted, counts, w13, w2, plain_linear)
     ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2, w13t, w2t)
     if ys_sorted is None:  # no grouped matmul for this layout
-        ys_sorted = torch.zeros_like(xs_sorted)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                gate, up = (xs_sorted[start : start + n] @ w13[e].T).chunk(2, dim=-1)
-                ys_sorted[start : start + n] = (F.silu(gate) * up) @ w2[e].T
-                start += n
+        ys_sorted = experts_by_slot(xs_sorted, counts, w13, w2, F.linear)
+    return ys_sorted
+
+
+def experts_by_slot(xs_sorted, counts, w13, w2, product=F.linear) -> torch.Tensor:
+    """`grouped_experts` as a loop over the slots, two `product(x, weight)` calls a slot with rows (the rows past
+    the last slot's are zeros)."""
+    ys_sorted = torch.empty_like(xs_sorted)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = product(xs_sorted[start : start + n], w13[e]).chunk(2, dim=-1)
+            ys_sorted[start : start + n] = product(F.silu(gate) * up, w2[e])
+            start += n
+    ys_sorted[start:].zero_()
     return ys_sorted
 
 
