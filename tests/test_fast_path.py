@@ -160,8 +160,9 @@ def _reference_logits(model, prompt):
 def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
     """The bundled model with model.compile on (buckets 1, 2, 3: max_num_seqs 3): greedy tokens
     equal eager's for batches that pad (3 -> 3, 1 -> 1, 2 sequences finishing at different
-    lengths), through block boundaries (context 5..40 with 4-token blocks), and no graph is
-    compiled after the warm-up."""
+    lengths), through block boundaries (context 5..40 with 4-token blocks), each bucket's step is
+    one graph (no graph break: session 26's oneDNN rule broke it at every linear, unseen), and no
+    graph is compiled after the warm-up."""
     from dspark_cluster import LLM, SamplingParams
 
     prompts = [[5, 9, 2, 7, 1], [11, 3, 8], [8, 1, 4, 4, 4, 2, 9]]
@@ -181,6 +182,7 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
             llm.shutdown()
     assert outs["on"] == outs["off"] and outs["on-one"] == outs["off-one"]
     assert stats["compile_buckets"] == [1, 2, 3] and stats["compile_recompiles_after_warm_up"] == 0
+    assert stats["compile_warm_up_graphs"] == 3
     assert stats["compile_steps"] > 30  # the decode steps ran compiled
 
 
@@ -411,3 +413,13 @@ def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
     with torch.inference_mode():  # as the worker runs: inference tensors take it too (nothing is kept on them)
         xi, w13i, w2i = xs.clone(), w13.clone(), w2.clone()
         torch.testing.assert_close(layers.grouped_experts(xi, counts, w13i, w2i)[:n], ref[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_every_decode_bucket_may_have_its_graph():
+    """max_num_seqs 256 has 9 decode buckets, one graph each of the same frame: dynamo's limit of graphs a frame
+    (8 by default) is raised to fit them, else the largest bucket would run eager, silently."""
+    from dspark_cluster.model.compiled import CompiledDecode
+
+    spec = load_spec(TINY_MOE, "float32")
+    runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu")
+    assert len(runner.buckets) == 9 and torch._dynamo.config.recompile_limit > len(runner.buckets)

@@ -61,9 +61,13 @@ class CompiledDecode:
         self.model, self.device = model, torch.device(device)
         self.buckets = decode_buckets(max_num_seqs)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
+        # one graph a bucket, all of the same frame: past dynamo's limit of graphs a frame (8) the larger buckets
+        # would run eager, silently (max_num_seqs 256 has 9 buckets)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) + 1)
         self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
         self.warm_up_s = 0.0
-        self.graphs_at_warm_up = None
+        self.graphs_at_warm_up = self.warm_up_graphs = None
         self.steps = 0
 
     def applies(self, step) -> bool:
@@ -105,7 +109,7 @@ class CompiledDecode:
     @torch.inference_mode()  # as the steps run: inference tensors (the guards check their dispatch keys)
     def warm_up(self) -> None:
         """Compile every bucket with a step of padding rows only (the scratch block's KV)."""
-        t0 = time.perf_counter()
+        t0, graphs = time.perf_counter(), _graphs()
         block_size = self.model.attention_layers[0].kv_cache[0].shape[1]
         none = torch.zeros(0, dtype=torch.long)
         for i, Bp in enumerate(self.buckets):
@@ -116,11 +120,17 @@ class CompiledDecode:
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
+        self.warm_up_graphs = self.graphs_at_warm_up - graphs
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
+        if self.warm_up_graphs != len(self.buckets):  # a graph break cuts a step into several, a limit leaves it eager
+            log.warning("model.compile: %d graphs for %d decode buckets (graph breaks or dynamo's limits: the steps "
+                        "run partly eager)", self.warm_up_graphs, len(self.buckets))
 
     def stats(self) -> dict:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
                 "compile_graphs": graphs, "compile_steps": self.steps,
+                # one a bucket when each decode step is one whole graph
+                "compile_warm_up_graphs": self.warm_up_graphs,
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
                 else graphs - self.graphs_at_warm_up}

@@ -44,11 +44,12 @@ def reorderable(weight: torch.Tensor) -> bool:
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
     """Whether `linear(x, weight, bias)` runs oneDNN's matmul (the rule in the module's docstring)."""
     n = x.numel()  # rows x in: the cheap tests first (it runs for every linear of every step)
-    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and weight.dtype == x.dtype
-            and x.device == weight.device and reorderable(weight)
+    # (and compiling before any test of the weight: `is_inference` is a graph break, which would cut a compiled
+    # step's graph at every linear)
+    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and not torch.compiler.is_compiling()
+            and weight.dtype == x.dtype and x.device == weight.device and reorderable(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling())
+                                                  or (bias is not None and bias.requires_grad))))
 
 
 # Rows a slot (on average) from which a MoE layer's experts run as one oneDNN product a slot, over the plain weights
