@@ -44,6 +44,7 @@ def make_cfg(args, executor: str, rate: float, name: str, num_requests=None):
     return load_config(None, [
         f"model.path={args.model}",
         "model.dtype=float32",
+        f"model.compile={args.compile}",
         f"parallel.executor={executor}",
         "parallel.tensor=1",
         f"parallel.threads_per_worker={args.threads}",
@@ -170,6 +171,7 @@ def mixed_step_probe(model_path, threads: int, n_decodes: int = 22, ctx: int = 3
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="model.compile of the engines")
     ap.add_argument("--threads", type=int, default=1, help="torch threads: the engine (local), the shard worker (ray), transformers")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])

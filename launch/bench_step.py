@@ -1,6 +1,6 @@
 """The decode step, counted and timed in process (issue 27): tensor operations and host
 synchronisations per layer, the forward's time at batch 1 and 64 (and of a verify step: 7 new tokens a
-sequence, at 1 and 8 sequences; and of a prompt step: 8 prompts of 128 tokens), and the LLM's TPOT at batch 1
+sequence, at 1 and 8 sequences; and of prompt steps: 8 prompts of 128 tokens, one of 512), and the LLM's TPOT at batch 1
 with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
@@ -193,13 +193,13 @@ def main() -> None:
         return
     spec = load_spec(args.model, "float32")
     res = {"layers": spec.num_layers}
-    for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7), (8, 128)):
+    for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7), (8, 128), (1, 512)):
         model = load_model(args.model, spec)
-        run = decode_forward(model, batch, 128, query=query)
+        run = decode_forward(model, batch, max(128, query), query=query)
         ms = timed(run, args.steps if batch == 1 else args.steps // 4 if query < 128 else args.steps // 10)
         c = count(run)
         meta_ops = sum(count(run.metadata).ops.values()) if hasattr(run, "metadata") else None
-        # query 128 at context 128: 8 whole prompts of 128 tokens in one step
+        # query >= 128 at context = query: whole prompts in one step
         key = f"b{batch}" if query == 1 else f"verify_b{batch}_q{query}" if query < 128 else f"prefill_b{batch}_q{query}"
         res[key] = {"forward_ms": ms, "ops": sum(c.ops.values()), "ops_per_layer": sum(c.ops.values()) / spec.num_layers,
                             "metadata_ops": meta_ops, "host_syncs": c.syncs, "top_ops": c.ops.most_common(12)}

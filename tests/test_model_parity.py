@@ -189,3 +189,35 @@ def test_a_long_prompt_whose_experts_run_slot_by_slot_matches_transformers(arch,
         logits = model.compute_logits(model(torch.tensor(prompt), positions, meta))
         assert rel_err(logits, hf(torch.tensor([prompt])).logits[0]) <= 1e-4
     assert bool(calls) == gemm._ONEDNN and all(n >= 300 for n in calls)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
+def test_long_queries_attend_in_chunks_and_match_transformers(arch, checkpoint, monkeypatch):
+    """Prompt chunks long enough to be attended in chunks of the query axis (each over the keys up to its last
+    query), padded beside shorter ones, one after a cached context: every row matches the reference, and one
+    SDPA call over every key (chunking off) to 1e-5."""
+    from dspark_cluster.model import attention
+
+    block_size, lengths, cached = 16, [300, 280, 170], [0, 0, 40]
+    seqs = random_prompts(lengths, seed=13)
+    path = checkpoint(arch)
+    model, tables = paged_model(path, lengths, block_size, num_blocks=64)
+    hf = hf_model(path)
+    with torch.no_grad():
+        lens = torch.tensor([40])
+        positions, meta = build_metadata(lens, lens, tables[2:], block_size)
+        model(torch.tensor(seqs[2][:40]), positions, meta)
+        q = torch.tensor([n - c for n, c in zip(lengths, cached)])
+        ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
+        positions, meta = build_metadata(q, torch.tensor(lengths), tables, block_size)
+        assert [(b.num_seqs, b.max_q, len(b.q_chunks)) for b in meta.batches] == [(2, 300, 4), (1, 130, 2)]
+        for b in meta.batches:  # each chunk's keys: up to its last query's position, the whole context at the end
+            keys = [c[2] for c in b.q_chunks]
+            assert keys == sorted(keys) and keys[-1] == (300 if b.max_q == 300 else 170) and keys[0] < keys[-1]
+        logits = model.compute_logits(model(ids, positions, meta))
+        monkeypatch.setattr(attention, "QUERY_CHUNKS", 1)
+        positions, whole = build_metadata(q, torch.tensor(lengths), tables, block_size)
+        assert whole.batches[0].q_chunks == ()
+        torch.testing.assert_close(logits, model.compute_logits(model(ids, positions, whole)), rtol=1e-5, atol=1e-5)
+        for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
+            assert rel_err(chunk, hf(torch.tensor([s])).logits[0, c:]) <= 1e-4

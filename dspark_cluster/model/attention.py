@@ -32,6 +32,9 @@ class AttentionBatch:
     # every sequence has max_q queries (one prompt, verify rows of one draft length): the padded layout is the
     # tokens' own, so no pad row and no gathers in or out
     uniform: bool = False
+    # long queries (prompt chunks) attended in chunks of the query axis, each over the keys up to its last query's
+    # position: ((first query, end, keys), ...); () = one call over every key (`query_chunks`)
+    q_chunks: tuple = ()
     _folded: dict = field(default_factory=dict)
 
     def to(self, device, dtype=torch.float32) -> "AttentionBatch":
@@ -42,14 +45,19 @@ class AttentionBatch:
         kw["attn_mask"] = self.attn_mask.to(device=device, dtype=dtype)
         return AttentionBatch(**kw)
 
-    def folded_mask(self, group: int) -> torch.Tensor:
+    def folded_mask(self, group: int, chunk: Optional[int] = None) -> torch.Tensor:
         """The mask for `group` query heads folded into the query axis: [B, 1, group * max_q, S]; for
-        decodes (one query each) every folded row has the same mask, so [B, 1, 1, S] broadcasts."""
-        if group == 1 or self.max_q == 1:
+        decodes (one query each) every folded row has the same mask, so [B, 1, 1, S] broadcasts. chunk: the
+        mask of query chunk `chunk` of `q_chunks` only, [B, 1, group * (end - first), keys]."""
+        if chunk is None and (group == 1 or self.max_q == 1):
             return self.attn_mask
-        if group not in self._folded:  # once per step, for every layer
-            self._folded[group] = self.attn_mask.repeat(1, 1, group, 1)
-        return self._folded[group]
+        if (group, chunk) not in self._folded:  # once per step, for every layer
+            mask = self.attn_mask
+            if chunk is not None:
+                c0, c1, keys = self.q_chunks[chunk]
+                mask = mask[:, :, c0:c1, :keys]
+            self._folded[(group, chunk)] = mask.repeat(1, 1, group, 1)
+        return self._folded[(group, chunk)]
 
 
 @dataclass
@@ -136,6 +144,30 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
 # tokens padded beside one of 24 would attend 10x its keys; a few short verify rows stay together (their padding
 # costs less than another batch's ops).
 PAD_SLACK, PAD_MIN_PAIRS = 1.25, 4096
+# A batch of long queries (prompt chunks) is attended in up to QUERY_CHUNKS chunks of the query axis, each over the
+# keys up to its last query's position only (causal attention needs no more): SDPA's CPU kernel skips masked keys in
+# blocks of hundreds only, so a 256-token prompt attends all 256 x 256 pairs where it needs half. Chunks of at least
+# QUERY_CHUNK_MIN queries, and only where they skip at least a fifth of the pairs (a cached context before the new
+# queries leaves less to skip). BENCHMARKS.md "Prompt queries attend in chunks".
+QUERY_CHUNKS, QUERY_CHUNK_MIN, QUERY_CHUNK_SAVES = 8, 64, 0.2
+
+
+def query_chunks(q: np.ndarray, ctx: np.ndarray, max_q: int, S: int) -> tuple:
+    """((first query, end, keys), ...) for a padded batch of query lengths q [B], contexts ctx [B] (after the step),
+    max_q queries and S keys each: the query axis cut in equal chunks, each with the keys up to the latest position
+    a query of the chunk attends (a padded query row attends key 0 only); () where chunking does not pay."""
+    n = min(QUERY_CHUNKS, max_q // QUERY_CHUNK_MIN)
+    if n < 2:
+        return ()
+    cuts = np.linspace(0, max_q, n + 1).astype(np.int64)
+    chunks = []
+    for c0, c1 in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        real = q > c0  # sequences with a query in this chunk
+        chunks.append((c0, c1, int(min(S, max(1, (ctx[real] - q[real] + np.minimum(c1, q[real])).max())))))
+    saved = sum((c1 - c0) * (S - keys) for c0, c1, keys in chunks) / (max_q * S)
+    return tuple(chunks) if saved >= QUERY_CHUNK_SAVES else ()
+
+
 # Decodes: another batch costs fewer ops (no query padding or permutes: ~6 a layer), and a padded key is a gathered
 # cache row and its dot products, so they split sooner. Measured on the bundled model (contexts 16-512, one padded
 # batch against groups; `launch/bench_decode_groups.py`): 64 decodes in 3 groups 0.85x the forward's time, 128 in 4
@@ -195,6 +227,7 @@ def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
         max_q=max_q,
         num_seqs=B,
         uniform=bool((q == max_q).all()),
+        q_chunks=query_chunks(q, ctx, max_q, S) if max_q > 1 else (),
     )
 
 
@@ -251,14 +284,21 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
         values = keys  # MLA: the latent is the key's head; the extra rope channels are cut below
     if max_q == 1:  # decodes only: one query per sequence, already in sequence order
         q_pad = q if q.dim() == 4 else q.view(B, Hkv, G, Dk)
-    else:
-        if not b.uniform:  # [B * max_q, Hq, Dk], each sequence's queries padded with a zero row
-            q = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)
-        q_pad = q.reshape(B, max_q, Hkv, G, Dk).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk)
-    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
-    if max_q == 1:
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G, Dv]
         return out[..., :Dv] if q.dim() == 4 else out[..., :Dv].reshape(B, Hq, Dv)
-    out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
+    if not b.uniform:  # [B * max_q, Hq, Dk], each sequence's queries padded with a zero row
+        q = torch.cat([q, q.new_zeros(1, Hq, Dk)]).index_select(0, b.padded_to_token)
+    q = q.reshape(B, max_q, Hkv, G, Dk)
+    if not b.q_chunks:
+        out = F.scaled_dot_product_attention(q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, Dk), keys, values,
+                                             attn_mask=b.folded_mask(G), scale=scale)  # [B, Hkv, G*max_q, Dv]
+        out = out[..., :Dv].reshape(B, Hkv, G, max_q, Dv)
+    else:  # each chunk of queries over the keys it can attend: [B, Hkv, G, chunk, Dv] each
+        out = torch.cat([F.scaled_dot_product_attention(
+            q[:, c0:c1].permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * (c1 - c0), Dk), keys[:, :, :s], values[:, :, :s],
+            attn_mask=b.folded_mask(G, i), scale=scale)[..., :Dv].reshape(B, Hkv, G, c1 - c0, Dv)
+            for i, (c0, c1, s) in enumerate(b.q_chunks)], dim=3)
+    out = out.permute(0, 3, 1, 2, 4).reshape(B * max_q, Hq, Dv)
     return out if b.uniform else out.index_select(0, b.token_to_padded)
 
 
