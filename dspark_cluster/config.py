@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError,
+                      field_validator, model_validator)
 
 from .config_checks import check_against_model
 from .errors import ConfigError
@@ -38,6 +38,11 @@ def parse_bytes(value, what: str) -> int:
         raise ConfigError(f"{what}: got {value!r}; expected a size such as 141GB or 80GiB") from None
 
 
+# auto / on / off: YAML 1.1 (PyYAML, and so `--set k=v`) reads a bare on / off as true / false, which mean the same
+Switch = Annotated[Literal["auto", "on", "off"],
+                   BeforeValidator(lambda v: {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v)]
+
+
 class _Section(BaseModel):
     # Unknown keys are errors, and ints are not silently turned into strings or bools.
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
@@ -54,7 +59,7 @@ class ModelConfig(_Section):
     weights: Literal["auto", "dequantize", "fp8"] = "auto"
     # decode steps through torch.compile, one graph per batch bucket (CUDA graphs on CUDA); auto: on
     # for CUDA, off on CPU (model/compiled.py says why)
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: Switch = "auto"
 
     @model_validator(mode="after")
     def _check(self):
@@ -88,7 +93,7 @@ class ParallelConfig(_Section):
     # channels) when every worker is on the calling process's node, plain actor calls otherwise:
     # Ray 2.60's raylet aborts, taking its node down, when a cross-node compiled-graph channel is
     # closed under a writer (a worker lost, a teardown; ray#63229). on/off force one or the other.
-    compiled_graph: Literal["auto", "on", "off"] = "auto"
+    compiled_graph: Switch = "auto"
 
     @property
     def world_size(self) -> int:

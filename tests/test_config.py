@@ -20,6 +20,14 @@ def test_bundled_default_and_overrides(checkpoint, tmp_path):
     assert int(cfg.scheduler.kv_cache_memory) == 2**30
     assert cfg.speculative.method == "none" and cfg.parallel.backend == "auto"
     assert parse_overrides(["a.b.c=[1, 2]", "x=none"]) == {"a": {"b": {"c": [1, 2]}}, "x": "none"}
+    # auto / on / off switches as a user writes them: YAML reads a bare on / off as a boolean
+    cfg = load_config(None, ["model.compile=off", "parallel.compiled_graph=on"])
+    assert cfg.model.compile == "off" and cfg.parallel.compiled_graph == "on"
+    f.write_text("model:\n  compile: on\nparallel:\n  compiled_graph: off\n")
+    cfg = load_config(f)
+    assert cfg.model.compile == "on" and cfg.parallel.compiled_graph == "off"
+    with pytest.raises(ConfigError, match="model.compile"):
+        load_config(None, ["model.compile=fast"])
 
 
 def test_relative_model_path_resolves_beside_the_yaml(checkpoint, tmp_path):
