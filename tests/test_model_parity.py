@@ -94,13 +94,17 @@ def test_padded_batches_stay_within_their_slack():
     same = pad_groups(np.arange(16), np.full(16, 200), np.full(16, 200), 16)
     assert len(same) == 1
     # decodes (one query each) by their own rule: within it, and a batch of very different contexts does split
-    from dspark_cluster.model.attention import DECODE_PAD
+    from dspark_cluster.model.attention import DECODE_PAD, decode_groups
 
     slack, min_pairs = DECODE_PAD
     for _ in range(50):
         B = int(rng.integers(1, 130))
         ctx = rng.integers(1, 600, B)
         groups = pad_groups(np.arange(B), np.ones(B, dtype=np.int64), ctx, 16, *DECODE_PAD)
+        # the decodes' numpy form of the rule makes the same groups (any subset of a step's sequences)
+        seqs = np.flatnonzero(rng.random(B) < 0.8)
+        assert [g.tolist() for g in decode_groups(seqs, ctx, 16, *DECODE_PAD)] == \
+            [g.tolist() for g in pad_groups(seqs, np.ones(B, dtype=np.int64), ctx, 16, *DECODE_PAD)]
         assert sorted(np.concatenate(groups).tolist()) == list(range(B))
         for g in groups:
             span = -(-ctx[g] // 16) * 16

@@ -120,6 +120,14 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     q, ctx, bt = (_host(t) for t in (query_lens, context_lens, block_tables))
     B = q.shape[0]
     T = int(q.sum())
+    if T == B:  # decodes only (every query length is >= 1): the common step, in fewer numpy ops
+        positions = ctx - 1
+        slot_mapping = bt[np.arange(B), positions // block_size] * block_size + positions % block_size
+        groups = decode_groups(np.arange(B), ctx, block_size, *DECODE_PAD) if group_decodes and B > 1 else []
+        groups = groups if len(groups) > 1 else [None]  # None: one batch of every row in order
+        batches = [_decode_batch(g if g is None else _tensor(g), ctx if g is None else ctx[g],
+                                 bt if g is None else bt[g], block_size, min_blocks) for g in groups]
+        return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
     seq_of_token = np.repeat(np.arange(B), q)  # [T]
     idx_in_seq = np.arange(T) - (np.cumsum(q) - q)[seq_of_token]
     positions = (ctx - q)[seq_of_token] + idx_in_seq
@@ -127,15 +135,12 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     decode = q == 1
     # decodes and longer queries apart, each in groups of similar size (decodes in one batch if asked)
     decodes = np.flatnonzero(decode)
-    groups = (pad_groups(decodes, q, ctx, block_size, *DECODE_PAD) if group_decodes else [decodes] if len(decodes) else []) \
-        + (pad_groups(np.flatnonzero(~decode), q, ctx, block_size) if not decode.all() else [])
-    if len(groups) == 1:
-        batches = [_batch(None, q, ctx, bt, block_size, min_blocks)]
-    else:
-        batches = []
-        for seqs in groups:
-            rows = _tensor(np.flatnonzero(np.isin(seq_of_token, seqs)))
-            batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size, min_blocks))
+    first_token = np.cumsum(q) - q  # a decode's one token
+    batches = [_decode_batch(_tensor(first_token[g]), ctx[g], bt[g], block_size, min_blocks) for g in
+               (decode_groups(decodes, ctx, block_size, *DECODE_PAD) if group_decodes else [decodes] if len(decodes) else [])]
+    for seqs in pad_groups(np.flatnonzero(~decode), q, ctx, block_size):
+        rows = _tensor(np.flatnonzero(np.isin(seq_of_token, seqs)))
+        batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size, min_blocks))
     return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
 
 
@@ -197,6 +202,44 @@ def pad_groups(seqs: np.ndarray, q: np.ndarray, ctx: np.ndarray, block_size: int
         max_q, max_s, own = mq, ms, o
     groups.append(np.sort(seqs[cur]))
     return groups
+
+
+def decode_groups(seqs: np.ndarray, ctx: np.ndarray, block_size: int, slack: float, min_pairs: int) -> list:
+    """`pad_groups` of decodes (one query each), in numpy: per group, the first sequence (largest key span) that
+    breaks the rule starts the next."""
+    span = -(-ctx[seqs] // block_size) * block_size
+    order = np.argsort(-span, kind="stable")
+    s = span[order]
+    own = np.concatenate([[0], np.cumsum(s)])
+    groups, start = [], 0
+    while start < len(s):
+        n = np.arange(1, len(s) - start + 1)
+        bad = np.flatnonzero(n * s[start] > slack * (own[start + 1:] - own[start]) + min_pairs)
+        end = start + (int(bad[0]) if len(bad) else len(n))
+        groups.append(np.sort(seqs[order[start:end]]))
+        start = end
+    return groups
+
+
+def _decode_batch(rows, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
+    """`_batch` of decodes (one query each: no query padding), from numpy ctx [B], bt [B, blocks]."""
+    B = ctx.shape[0]
+    bt = np.ascontiguousarray(bt[:, : max(min_blocks, -(-int(ctx.max()) // block_size))])
+    S = bt.shape[1] * block_size
+    order = _tensor(np.arange(B))
+    return AttentionBatch(
+        rows=rows,
+        block_tables=torch.from_numpy(bt),
+        blocks=_tensor(bt.reshape(-1)),
+        token_to_padded=order,
+        padded_to_token=order,
+        # key j is attended by the query at position ctx - 1: j < ctx
+        attn_mask=torch.from_numpy(np.where(np.arange(S) < ctx[:, None], np.float32(0), np.float32(-np.inf))
+                                   .reshape(B, 1, 1, S)),
+        max_q=1,
+        num_seqs=B,
+        uniform=True,
+    )
 
 
 def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
