@@ -176,7 +176,7 @@ def query_chunks(q: np.ndarray, ctx: np.ndarray, max_q: int, S: int) -> tuple:
 # Decodes: another batch costs fewer ops (no query padding or permutes: ~6 a layer), and a padded key is a gathered
 # cache row and its dot products, so they split sooner. Measured on the bundled model (contexts 16-512, one padded
 # batch against groups; `launch/bench_decode_groups.py`): 64 decodes in 3 groups 0.85x the forward's time, 128 in 4
-# 0.62x; 8 decodes split in two (2,000 fewer padded pairs a split) were 1.06x: hence 2,048 (BENCHMARKS.md "Decodes
+# 0.62x; 8 decodes split in two at 1,024 (736 fewer padded pairs) were 1.06x: hence 2,048 (BENCHMARKS.md "Decodes
 # attend in groups of similar context")
 DECODE_PAD = (1.05, 2048)
 
