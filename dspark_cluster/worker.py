@@ -149,7 +149,8 @@ class Worker:
         # the graphs read the cache: compiled after it. With expert parallelism the engine sizes the padded
         # all-to-all from the bucket a decode step is padded to (LLMEngine.decode_buckets)
         if resolve_compile(self.cfg.model.compile, self.device):
-            self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device)
+            captures = ((), tuple(self.cfg.export_layers)) if self.cfg.export_layers else ((),)
+            self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device, captures)
             self.compiled.warm_up()
         freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)

@@ -56,8 +56,9 @@ Checks (`--only NAME,...` runs a subset):
                non-speculative run is the control), a two-sample test against that control run,
                and (reported) the fit to transformers-fp32's law.
   grouped_mm   the MoE expert path: with skewed routing run_experts takes torch._grouped_mm (on
-               CUDA in bf16 it must, not the per-slot loop fallback) and agrees with a per-expert
-               fp32 loop reference; the decode-shaped (padded bmm) branch too.
+               CUDA in bf16 it must, not the per-slot loop fallback; on the CPU with this many rows a
+               slot, oneDNN slot by slot) and agrees with a per-expert fp32 loop reference; the
+               decode-shaped (padded bmm) branch too.
   decode       decode tok/s at batch 1, 16 and 64 on a random model with Qwen3-30B-A3B's layer
                shapes (4 layers), against the HBM roofline (active weight bytes + KV bytes read per
                step) / measured device-to-device copy bandwidth; with model.compile off and on
@@ -637,20 +638,24 @@ def check_grouped_mm(args, tmp) -> dict:
     slots = torch.multinomial(weight, N, replacement=True, generator=g).to(dev)
     xs = torch.randn(N, H, generator=gd, device=dev).to(dtype)
     counts = torch.bincount(slots, minlength=E)
-    calls = {"grouped_mm": 0, "loop_fallback": 0}
-    orig = layers._grouped_mm_experts
+    calls = {"grouped_mm": 0, "loop_fallback": 0, "onednn_by_slot": 0}
+    orig, by_slot = layers._grouped_mm_experts, layers.experts_by_slot
 
     def counting(*a):
         out = orig(*a)
         calls["grouped_mm" if out is not None else "loop_fallback"] += 1
         return out
 
-    layers._grouped_mm_experts = counting
+    def counting_by_slot(*a):  # the CPU's oneDNN products slot by slot (the loop fallback is counted above)
+        calls["onednn_by_slot"] += len(a) > 4 and a[4] is not F.linear
+        return by_slot(*a)
+
+    layers._grouped_mm_experts, layers.experts_by_slot = counting, counting_by_slot
     try:
         with torch.inference_mode():
             ys, _ = layers.run_experts(xs, slots, w13, w2)
     finally:
-        layers._grouped_mm_experts = orig
+        layers._grouped_mm_experts, layers.experts_by_slot = orig, by_slot
     with torch.inference_mode():
         ref = experts_reference(xs, slots, w13, w2)
         err = rel_err(ys, ref)
@@ -694,6 +699,7 @@ def check_grouped_mm(args, tmp) -> dict:
     res = {"shape": {"hidden": H, "intermediate": I, "experts": E, "rows": N}, "dtype": args.dtype,
            "fullest_slot": int(counts.max()), "empty_slots": int((counts == 0).sum()), "calls": calls,
            "grouped_mm_taken": calls["grouped_mm"] == 1 and calls["loop_fallback"] == 0,
+           "path": next((k for k, n in calls.items() if n), None),
            "rel_err": err, "loop_same_dtype_rel_err": loop_err, "tolerance": tol, "grouped_ms": grouped_ms,
            "loop_ms": loop_ms, "fallback_error": fallback_error, "bmm_branch": bmm_branch, "bmm_rel_err": bmm_err,
            "no_grouped_mm_keys": unsupported}

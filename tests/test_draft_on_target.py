@@ -265,3 +265,21 @@ def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, pr
     sp.planner._prior_memo.clear()
     assert sp.planner._prior_k(1) > 0
     assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == plain[:1] and sp.num_drafted > 0
+
+
+def test_compiled_decode_with_the_drafter_on_the_target_compiles_each_capture_at_warm_up(target, drafter, prompts, plain):
+    """model.compile on with a DSpark drafter beside the target: its decode steps capture the exported layers (a
+    guard of the compiled forward), so the warm-up compiles each bucket for both captures (none, the exported
+    layers) and serving compiles nothing more; greedy tokens equal plain decoding's."""
+    cfg = target_config(drafter)
+    cfg["model"] = {"compile": "on"}
+    cfg["scheduler"]["max_num_seqs"] = 2
+    llm = LLM(target, config=cfg)
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts[:2], GREEDY)]
+        stats = llm.engine.executor.worker.compiled.stats()
+    finally:
+        llm.shutdown()
+    assert outs == plain[:2]
+    assert stats["compile_buckets"] == [1, 2] and stats["compile_warm_up_graphs"] == 4
+    assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_steps"] > 0

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from dspark_cluster.config import ASSETS_DIR, load_config
 from dspark_cluster.kv_cache import allocate_kv_cache
+from dspark_cluster.model import gemm
 from dspark_cluster.model.attention import build_metadata
 from dspark_cluster.model.loader import load_model
 from dspark_cluster.model.op_count import count_ops
@@ -97,14 +98,19 @@ def _ep_rank(rank, world, port, path, prompts, q):
     spec = load_spec(path, "float32")
     cfg = load_config({"model": {"path": str(path), "dtype": "float32"}, "scheduler": {"block_size": 4}})
     worker = Worker(WorkerConfig.of(cfg), spec, "cpu", rank, world, state)
-    worker.allocate_kv(64)
     mine = prompts[rank]  # each rank is its own data-parallel group, with its own batch
-    tables = torch.arange(len(mine) * 8).view(len(mine), 8)
+    width = max(8, -(-max(len(p) for ps in prompts for p in ps) // 4))  # blocks of 4 a sequence
+    worker.allocate_kv(max(64, len(mine) * width))
+    tables = torch.arange(len(mine) * width).view(len(mine), width)
     lens = torch.tensor([len(p) for p in mine])
     cap = expert_capacity([sum(len(p) for p in ps) for ps in prompts], 1, spec.top_k, world,
                           spec.hidden_size * 4)
     out = {"capacity": cap}
+    from dspark_cluster.model import layers
+    by_slot, calls = layers.experts_by_slot, []  # the experts slot by slot (many rows a slot on the CPU)
+    layers.experts_by_slot = lambda *a, **kw: calls.append(a[4] is gemm.plain_linear) or by_slot(*a, **kw)
     for name, capacity in (("exact", 0), ("padded", cap)):
+        calls.clear()
         step = StepInput(input_ids=torch.tensor([t for p in mine for t in p]), query_lens=lens, context_lens=lens,
                          block_tables=tables, sample_rows=torch.arange(len(mine)), temperature=torch.zeros(len(mine)),
                          top_k=torch.zeros(len(mine), dtype=torch.long), top_p=torch.ones(len(mine)),
@@ -115,13 +121,20 @@ def _ep_rank(rank, world, port, path, prompts, q):
         out[name] = res.logits.numpy()  # numpy: a torch tensor's shared memory would go with this process
         out[name + "_syncs"] = dict(c.sync_sites)
         out[name + "_load"] = res.slot_load.numpy()
+        out[name + "_by_slot"] = list(calls)
     q.put((rank, out))
     shutdown_parallel()
 
 
-def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(tmp_path):
+@pytest.mark.parametrize("long", [False, True])
+def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(long, tmp_path):
+    """long: prompts whose rows reach each rank's experts at more than gemm.ONEDNN_EXPERT_MIN_ROWS a slot, so the
+    experts run slot by slot on the CPU, with the padded layout's padding rows past the last slot."""
     path = build_checkpoint("qwen3_moe", tmp_path / "moe")
     prompts = [[[5, 9, 2, 7], [11, 3]], [[8, 1, 4]]]  # two groups of different sizes
+    if long:
+        g = torch.Generator().manual_seed(5)
+        prompts = [[torch.randint(3, 150, (n,), generator=g).tolist() for n in ns] for ns in ([230, 40], [260])]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -140,6 +153,9 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(tmp_pat
         assert torch.equal(out["padded_load"], out["exact_load"])
         # the exact layout reads its split sizes back (once per MoE layer); the padded one never
         assert out["exact_syncs"] and not any("expert_parallel" in site for site in out["padded_syncs"])
+        # long prompts: every MoE layer's experts ran slot by slot on the CPU, in both layouts
+        assert all(out["padded_by_slot"]) and all(out["exact_by_slot"])  # on oneDNN, not the fallback loop
+        assert bool(out["padded_by_slot"]) == bool(out["exact_by_slot"]) == (long and gemm._ONEDNN)
         # and both equal one process holding every expert
         mine = prompts[rank]
         for i, p in enumerate(mine):
@@ -148,9 +164,10 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(tmp_pat
 
 
 def _reference_logits(model, prompt):
-    allocate_kv_cache(model, 8, 4, torch.device("cpu"))
     n = len(prompt)
-    positions, meta = build_metadata(torch.tensor([n]), torch.tensor([n]), torch.arange(2)[None], 4)
+    blocks = max(2, -(-n // 4))
+    allocate_kv_cache(model, blocks + 1, 4, torch.device("cpu"))
+    positions, meta = build_metadata(torch.tensor([n]), torch.tensor([n]), torch.arange(blocks)[None], 4)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(prompt), positions, meta.to("cpu"))[-1:])[0]
 
@@ -397,10 +414,12 @@ def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
     torch.manual_seed(0)
     E, H, I = 8, 64, 32
     w13, w2 = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6
-    counts = torch.tensor([60, 0, 70, 45, 50, 55, 48, 52])
+    counts = torch.tensor([60, 0, 70, 45, 50, 55, 48, 62])  # 390 rows: 48.75 a slot
     n = int(counts.sum())
     xs = torch.randn(n + 4, H)  # 4 padding rows (expert parallelism's fixed-size buffers)
-    assert gemm.use_onednn_experts(xs, w13) == gemm._ONEDNN
+    assert gemm.use_onednn_experts(xs, counts, w13) == gemm._ONEDNN
+    # padding rows do not count toward the rows a slot
+    assert not gemm.use_onednn_experts(torch.randn(1000, H), torch.full((8,), 40), w13)
     got = layers.grouped_experts(xs, counts, w13, w2)
     ref = layers.experts_by_slot(xs, counts, w13, w2)  # F.linear slot by slot: torch's own products
     torch.testing.assert_close(got[:n], ref[:n], rtol=1e-5, atol=1e-5)
@@ -408,18 +427,22 @@ def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
     grouped = layers._grouped_mm_experts(xs, counts, w13, w2)
     if grouped is not None:
         torch.testing.assert_close(got[:n], grouped[:n], rtol=1e-5, atol=1e-5)
-    assert not gemm.use_onednn_experts(xs[: 8 * 16], w13)  # 16 rows a slot: the grouped matmul is faster
-    assert not gemm.use_onednn_experts(xs.clone().requires_grad_(), w13)
+    assert not gemm.use_onednn_experts(xs[: 8 * 16], torch.full((8,), 16), w13)  # the grouped matmul is faster there
+    assert not gemm.use_onednn_experts(xs.clone().requires_grad_(), counts, w13)
     with torch.inference_mode():  # as the worker runs: inference tensors take it too (nothing is kept on them)
         xi, w13i, w2i = xs.clone(), w13.clone(), w2.clone()
         torch.testing.assert_close(layers.grouped_experts(xi, counts, w13i, w2i)[:n], ref[:n], rtol=1e-5, atol=1e-5)
 
 
-def test_every_decode_bucket_may_have_its_graph():
-    """max_num_seqs 256 has 9 decode buckets, one graph each of the same frame: dynamo's limit of graphs a frame
-    (8 by default) is raised to fit them, else the largest bucket would run eager, silently."""
+def test_every_decode_bucket_may_have_its_graph(monkeypatch):
+    """max_num_seqs 256 has 9 decode buckets, one graph each of the same frame and per capture (a drafter's exported
+    layers are a second): dynamo's limit of graphs a frame (8 by default) is raised to fit them, else the largest
+    buckets would run eager, silently. (The limit only: compiling 18 graphs here would take a minute; the compile
+    test above checks one graph a bucket.)"""
     from dspark_cluster.model.compiled import CompiledDecode
 
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after
     spec = load_spec(TINY_MOE, "float32")
-    runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu")
-    assert len(runner.buckets) == 9 and torch._dynamo.config.recompile_limit > len(runner.buckets)
+    runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2), ()))
+    assert len(runner.buckets) == 9 and runner.captures == ((), (1, 2))
+    assert torch._dynamo.config.recompile_limit > 2 * len(runner.buckets)

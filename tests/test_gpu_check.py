@@ -69,7 +69,8 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
     assert law["dspark"]["num_draft_tokens"] > 0 and law["dspark"]["p_two_sample_vs_none"] > 1e-4
 
     gm = checks["grouped_mm"]
-    assert gm["calls"]["grouped_mm"] + gm["calls"]["loop_fallback"] == 1 and gm["rel_err"] <= 1e-4
+    # one expert path taken (on this CPU, with 64 rows a slot: oneDNN slot by slot, model/gemm.py)
+    assert sum(gm["calls"].values()) == 1 and gm["rel_err"] <= 1e-4
     assert gm["bmm_branch"] and gm["bmm_rel_err"] <= 1e-4
 
     dec = checks["decode"]

@@ -150,28 +150,40 @@ def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, s
 def test_decodes_of_different_contexts_attend_in_groups_and_match_transformers(arch, checkpoint, monkeypatch):
     """A decode step split into batches of similar context (here a rule that splits every distinct key span,
     so five sequences make five batches): every row's logits match the reference's and those of one padded
-    batch (`group_decodes=False`, a compiled step's layout)."""
+    batch (`group_decodes=False`, a compiled step's layout); and the same decodes beside a prompt chunk (a mixed
+    step: each decode batch's rows are its sequences' tokens among the chunk's)."""
     from dspark_cluster.model import attention
 
-    block_size, lengths = 4, [30, 5, 61, 9, 33]
+    block_size, lengths = 4, [30, 5, 61, 9, 33, 18]
     seqs = random_prompts(lengths, seed=7)
     path = checkpoint(arch)
     model, tables = paged_model(path, lengths, block_size)
     hf = hf_model(path)
+    refs = [hf(torch.tensor([s])).logits[0] for s in seqs]
     monkeypatch.setattr(attention, "DECODE_PAD", (1.0, 0))
+    dec = slice(0, 5)
     with torch.no_grad():
-        prior = torch.tensor([n - 1 for n in lengths])
-        positions, meta = build_metadata(prior, prior, tables, block_size)
-        model(torch.tensor([t for s in seqs for t in s[:-1]]), positions, meta)
-        ones, ctx, ids = torch.ones(len(seqs), dtype=torch.long), torch.tensor(lengths), torch.tensor([s[-1] for s in seqs])
-        positions, grouped = build_metadata(ones, ctx, tables, block_size)
-        assert [b.num_seqs for b in grouped.batches] == [1] * len(seqs) and all(b.max_q == 1 for b in grouped.batches)
+        prior = torch.tensor([n - 1 for n in lengths[dec]])
+        positions, meta = build_metadata(prior, prior, tables[dec], block_size)
+        model(torch.tensor([t for s in seqs[dec] for t in s[:-1]]), positions, meta)
+        ones, ctx, ids = torch.ones(5, dtype=torch.long), torch.tensor(lengths[dec]), torch.tensor([s[-1] for s in seqs[dec]])
+        positions, grouped = build_metadata(ones, ctx, tables[dec], block_size)
+        assert [b.num_seqs for b in grouped.batches] == [1] * 5 and all(b.max_q == 1 for b in grouped.batches)
         logits = model.compute_logits(model(ids, positions, grouped))
-        positions, one = build_metadata(ones, ctx, tables, block_size, group_decodes=False)
+        positions, one = build_metadata(ones, ctx, tables[dec], block_size, group_decodes=False)
         assert len(one.batches) == 1
         torch.testing.assert_close(logits, model.compute_logits(model(ids, positions, one)), rtol=1e-5, atol=1e-5)
-        for row, s in zip(logits, seqs):
-            assert rel_err(row, hf(torch.tensor([s])).logits[0, -1]) <= 1e-4
+        for row, ref in zip(logits, refs):
+            assert rel_err(row, ref[-1]) <= 1e-4
+        # mixed: decodes 0 and 2 before sequence 5's whole prompt, decode 3 after it (token order: 0, 2, 5 x 18, 3)
+        order = [0, 2, 5, 3]
+        q = torch.tensor([1, 1, 18, 1])
+        positions, mixed = build_metadata(q, torch.tensor([lengths[i] for i in order]), tables[order], block_size)
+        assert sorted((b.num_seqs, b.max_q) for b in mixed.batches) == [(1, 1), (1, 1), (1, 1), (1, 18)]
+        ids = torch.tensor([seqs[0][-1], seqs[2][-1], *seqs[5], seqs[3][-1]])
+        out = model.compute_logits(model(ids, positions, mixed)).split([1, 1, 18, 1])
+        for i, rows in zip(order, out):
+            assert rel_err(rows, refs[i][-rows.shape[0]:]) <= 1e-4
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
@@ -182,7 +194,8 @@ def test_a_long_prompt_whose_experts_run_slot_by_slot_matches_transformers(arch,
 
     calls = []
     by_slot = layers.experts_by_slot
-    monkeypatch.setattr(layers, "experts_by_slot", lambda *a, **kw: calls.append(a[0].shape[0]) or by_slot(*a, **kw))
+    monkeypatch.setattr(layers, "experts_by_slot",
+                        lambda *a, **kw: calls.append((a[0].shape[0], a[4] is gemm.plain_linear)) or by_slot(*a, **kw))
     path = checkpoint(arch)
     (prompt,) = random_prompts([300], seed=11)
     model, tables = paged_model(path, [300], 16, num_blocks=32)
@@ -192,17 +205,17 @@ def test_a_long_prompt_whose_experts_run_slot_by_slot_matches_transformers(arch,
         positions, meta = build_metadata(lens, lens, tables, 16)
         logits = model.compute_logits(model(torch.tensor(prompt), positions, meta))
         assert rel_err(logits, hf(torch.tensor([prompt])).logits[0]) <= 1e-4
-    assert bool(calls) == gemm._ONEDNN and all(n >= 300 for n in calls)
+    assert bool(calls) == gemm._ONEDNN and all(n >= 300 and onednn for n, onednn in calls)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
 def test_long_queries_attend_in_chunks_and_match_transformers(arch, checkpoint, monkeypatch):
     """Prompt chunks long enough to be attended in chunks of the query axis (each over the keys up to its last
-    query), padded beside shorter ones, one after a cached context: every row matches the reference, and one
-    SDPA call over every key (chunking off) to 1e-5."""
+    query), padded beside shorter ones, one after a cached context, and (all four in one batch) one with no query
+    in the last chunks: every row matches the reference, and one SDPA call over every key (chunking off) to 1e-5."""
     from dspark_cluster.model import attention
 
-    block_size, lengths, cached = 16, [300, 280, 170], [0, 0, 40]
+    block_size, lengths, cached = 16, [300, 280, 170, 150], [0, 0, 40, 0]
     seqs = random_prompts(lengths, seed=13)
     path = checkpoint(arch)
     model, tables = paged_model(path, lengths, block_size, num_blocks=64)
@@ -213,15 +226,23 @@ def test_long_queries_attend_in_chunks_and_match_transformers(arch, checkpoint, 
         model(torch.tensor(seqs[2][:40]), positions, meta)
         q = torch.tensor([n - c for n, c in zip(lengths, cached)])
         ids = torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]])
+        refs = [hf(torch.tensor([s])).logits[0, c:] for s, c in zip(seqs, cached)]
         positions, meta = build_metadata(q, torch.tensor(lengths), tables, block_size)
-        assert [(b.num_seqs, b.max_q, len(b.q_chunks)) for b in meta.batches] == [(2, 300, 4), (1, 130, 2)]
-        for b in meta.batches:  # each chunk's keys: up to its last query's position, the whole context at the end
-            keys = [c[2] for c in b.q_chunks]
-            assert keys == sorted(keys) and keys[-1] == (300 if b.max_q == 300 else 170) and keys[0] < keys[-1]
+        # [300, 280] in 4 chunks; [130 over 40 cached, 150] skip under a fifth of their pairs in chunks: one call
+        assert [(b.num_seqs, b.max_q, len(b.q_chunks)) for b in meta.batches] == [(2, 300, 4), (2, 150, 0)]
+        keys = [c[2] for c in meta.batches[0].q_chunks]  # up to each chunk's last query's position
+        assert keys == [75, 150, 225, 300]
         logits = model.compute_logits(model(ids, positions, meta))
+        for chunk, ref in zip(logits.split(q.tolist()), refs):
+            assert rel_err(chunk, ref) <= 1e-4
+        # all four in one batch: 150 and 130 queries have none in the chunks past them (their padded rows attend key 0)
+        monkeypatch.setattr(attention, "PAD_SLACK", 100.0)
+        positions, one = build_metadata(q, torch.tensor(lengths), tables, block_size)
+        (b,) = one.batches
+        assert b.max_q == 300 and [c[2] for c in b.q_chunks] == [115, 170, 225, 300]
+        together = model.compute_logits(model(ids, positions, one))
+        torch.testing.assert_close(together, logits, rtol=1e-5, atol=1e-5)
         monkeypatch.setattr(attention, "QUERY_CHUNKS", 1)
         positions, whole = build_metadata(q, torch.tensor(lengths), tables, block_size)
-        assert whole.batches[0].q_chunks == ()
+        assert all(b.q_chunks == () for b in whole.batches)
         torch.testing.assert_close(logits, model.compute_logits(model(ids, positions, whole)), rtol=1e-5, atol=1e-5)
-        for (s, c), chunk in zip(zip(seqs, cached), logits.split(q.tolist())):
-            assert rel_err(chunk, hf(torch.tensor([s])).logits[0, c:]) <= 1e-4

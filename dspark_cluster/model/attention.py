@@ -120,8 +120,8 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     q, ctx, bt = (_host(t) for t in (query_lens, context_lens, block_tables))
     B = q.shape[0]
     T = int(q.sum())
-    if T == B:  # decodes only (every query length is >= 1): the common step, in fewer numpy ops
-        positions = ctx - 1
+    if B and (q == 1).all():  # decodes only: the common step, in fewer numpy ops
+        positions = ctx.astype(np.int64) - 1
         slot_mapping = bt[np.arange(B), positions // block_size] * block_size + positions % block_size
         groups = decode_groups(np.arange(B), ctx, block_size, *DECODE_PAD) if group_decodes and B > 1 else []
         groups = groups if len(groups) > 1 else [None]  # None: one batch of every row in order
@@ -138,7 +138,7 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     first_token = np.cumsum(q) - q  # a decode's one token
     batches = [_decode_batch(_tensor(first_token[g]), ctx[g], bt[g], block_size, min_blocks) for g in
                (decode_groups(decodes, ctx, block_size, *DECODE_PAD) if group_decodes else [decodes] if len(decodes) else [])]
-    for seqs in pad_groups(np.flatnonzero(~decode), q, ctx, block_size):
+    for seqs in pad_groups(np.flatnonzero(~decode), q, ctx, block_size, PAD_SLACK, PAD_MIN_PAIRS):
         rows = _tensor(np.flatnonzero(np.isin(seq_of_token, seqs)))
         batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size, min_blocks))
     return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
@@ -280,11 +280,13 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     (v_cache may be None: then the values are the first Dv channels of the keys, as in MLA's latent
     cache). flat: the caches viewed per slot in k_new's / v_new's shape ([slots, *k_new.shape[1:]]),
     made once by the caller (None: viewed here). Returns [T, Hq, Dv]. q may also come as
-    [T, Hkv, G, Dk] (SDPA's layout of a decode step, G = Hq / Hkv); then a decode-only step returns
-    [T, Hkv, G, Dv] (no reshape either way), any other [T, Hq, Dv].
+    [T, Hkv, G, Dk] (SDPA's layout of a decode step, G = Hq / Hkv); then a decode-only step attended
+    as one batch returns [T, Hkv, G, Dv] (no reshape either way), any other [T, Hq, Dv].
     SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
     """
     if torch.compiler.is_compiling():  # a compiled decode step: one opaque op (its key length varies per step)
+        # (one batch of decodes: build_metadata(..., group_decodes=False), as CompiledDecode makes it)
+        assert len(meta.batches) == 1 and meta.batches[0].max_q == 1, "a compiled step attends one batch of decodes"
         b = meta.batches[0]
         return torch.ops.dspark.decode_attention(q, k_new, v_new, k_cache, v_cache, meta.slot_mapping, b.blocks,
                                                  b.attn_mask, scale)

@@ -10,8 +10,8 @@ everything between them (projections, norms, rope, routing, the residual stream)
 bucket. On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`). Prefill chunks,
 verify rows and mixed steps run eager (their token counts vary every step).
 
-    runner = CompiledDecode(model, max_num_seqs, device)
-    runner.warm_up()                    compile every bucket now (progress lines, seconds)
+    runner = CompiledDecode(model, max_num_seqs, device, captures)
+    runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds)
     runner.applies(step) -> bool        a decode-only step within the buckets
     runner(step, capture) -> hidden [T, H]
     runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since
@@ -57,14 +57,17 @@ def _graphs() -> int:
 
 
 class CompiledDecode:
-    def __init__(self, model, max_num_seqs: int, device):
+    def __init__(self, model, max_num_seqs: int, device, captures: tuple = ((),)):
+        """captures: the layer tuples steps will capture (`model.forward`'s capture: a guard, so a graph each):
+        () alone, or also the exported layers where a drafter reads them."""
         self.model, self.device = model, torch.device(device)
         self.buckets = decode_buckets(max_num_seqs)
+        self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
         mode = "reduce-overhead" if self.device.type == "cuda" else None
-        # one graph a bucket, all of the same frame: past dynamo's limit of graphs a frame (8) the larger buckets
-        # would run eager, silently (max_num_seqs 256 has 9 buckets)
+        # one graph a bucket and capture, all of the same frame: past dynamo's limit of graphs a frame (8) the
+        # larger buckets would run eager, silently (max_num_seqs 256 has 9 buckets)
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) + 1)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
         self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
@@ -115,16 +118,24 @@ class CompiledDecode:
         for i, Bp in enumerate(self.buckets):
             t = time.perf_counter()
             ids, positions, meta, real = self._padded(none, none, torch.zeros(0, 1, dtype=torch.long), block_size, Bp)
-            self.fn(ids, positions, meta, (), real)
+            for capture in self.captures:
+                self.fn(ids, positions, meta, capture, real)
             log.info("model.compile: decode bucket %d (%d/%d) in %.1f s", Bp, i + 1, len(self.buckets),
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = self.graphs_at_warm_up - graphs
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
-        if self.warm_up_graphs != len(self.buckets):  # a graph break cuts a step into several, a limit leaves it eager
-            log.warning("model.compile: %d graphs for %d decode buckets (graph breaks or dynamo's limits: the steps "
-                        "run partly eager)", self.warm_up_graphs, len(self.buckets))
+        # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
+        # the collectives are graph breaks by design)
+        whole = len(self.buckets) * len(self.captures)
+        if self.one_graph_a_step() and self.warm_up_graphs != whole:
+            log.warning("model.compile: %d graphs for %d decode buckets x %d captures (graph breaks or dynamo's "
+                        "limits: the steps run partly eager)", self.warm_up_graphs, len(self.buckets), len(self.captures))
+
+    def one_graph_a_step(self) -> bool:
+        """Whether a step compiles to one graph: no collective in it (one rank, no expert dispatch)."""
+        return self.model.comm.tp_size == 1 and not any(m.dispatch is not None for m in self.model.moe_layers)
 
     def stats(self) -> dict:
         graphs = _graphs()

@@ -60,13 +60,15 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
 ONEDNN_EXPERT_MIN_ROWS = 48
 
 
-def use_onednn_experts(xs: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether the experts of rows xs [N, H] over stacked weights w13 [n_slots, 2I, H] run slot by slot on oneDNN
-    (`layers.grouped_experts`): on the CPU, in a dtype it runs, without gradients, at ONEDNN_EXPERT_MIN_ROWS rows a
-    slot or more."""
+def use_onednn_experts(xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether the experts of rows xs [N, H] (counts [n_slots] of them in each slot; the rest padding) over stacked
+    weights w13 [n_slots, 2I, H] run slot by slot on oneDNN (`layers.grouped_experts`): on the CPU, in a dtype it
+    runs, without gradients, at ONEDNN_EXPERT_MIN_ROWS rows a slot or more (padding rows, as expert parallelism's
+    fixed-size buffers hold, not counted; reading the count waits for nothing on the CPU)."""
     return (xs.shape[0] >= ONEDNN_EXPERT_MIN_ROWS * w13.shape[0] and xs.device.type == "cpu" and runs_dtype(xs.dtype)
             and w13.dtype == xs.dtype and w13.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (xs.requires_grad or w13.requires_grad)))
+            and not (torch.is_grad_enabled() and (xs.requires_grad or w13.requires_grad))
+            and int(counts.sum()) >= ONEDNN_EXPERT_MIN_ROWS * w13.shape[0])
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -364,7 +364,7 @@ def grouped_experts(xs_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Te
     (rows past the last slot's are left unspecified): a grouped matmul a projection; on the CPU with many rows a
     slot, oneDNN's product slot by slot (`gemm.use_onednn_experts`: torch's CPU grouped matmul is a loop of slower
     products; the counts are read on the host, which on the CPU waits for nothing)."""
-    if use_onednn_experts(xs_sorted, w13):
+    if use_onednn_experts(xs_sorted, counts, w13):
         return experts_by_slot(xs_sorted, counts, w13, w2, plain_linear)
     ys_sorted = _grouped_mm_experts(xs_sorted, counts, w13, w2, w13t, w2t)
     if ys_sorted is None:  # no grouped matmul for this layout
