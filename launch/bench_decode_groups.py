@@ -2,7 +2,7 @@
 with `DECODE_PAD`, or the rules given), the bundled model's decode forward (metadata, forward, logits) in process.
 
     OMP_WAIT_POLICY=PASSIVE python launch/bench_decode_groups.py --batches 8,16,32,64,128 --rounds 3 \
-        --rules 1.05:1024,1.0:512,1.25:4096 [--json out.json]
+        --rules 1.05:2048,1.05:1024,1.25:4096 [--json out.json]
 
 Each batch size draws its contexts uniformly from [--min-context, --max-context] (seeded); the arms run alternating,
 rotated each round; medians of --steps steps. Prints the groups each rule makes, the padded key pairs against the
@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
+from bench_step import timed  # (launch/: the script's own folder is first on sys.path)
 
 from dspark_cluster.config import ASSETS_DIR
 from dspark_cluster.kv_cache import allocate_kv_cache
@@ -38,22 +38,11 @@ def step_fn(model, ids, q, ctx, tables, block_size, rule):
     return run
 
 
-def median_ms(fn, steps: int) -> float:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ASSETS_DIR / "tiny-moe"))
     ap.add_argument("--batches", default="8,16,32,64,128")
-    ap.add_argument("--rules", default="1.05:1024", help="slack:min_pairs, comma-separated")
+    ap.add_argument("--rules", default="1.05:2048", help="slack:min_pairs, comma-separated (1.05:2048: DECODE_PAD)")
     ap.add_argument("--min-context", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
@@ -92,7 +81,7 @@ def main() -> None:
             names = list(arms)
             names = names[r % len(names):] + names[: r % len(names)]
             for name in names:
-                times[name].append(median_ms(step_fn(model, ids, q, ctx, tables, bs, arms[name]), args.steps))
+                times[name].append(timed(step_fn(model, ids, q, ctx, tables, bs, arms[name]), args.steps))
         base = statistics.median(times["one batch"])
         row["one_batch_ms"] = base
         line = f"batch {B}: own pairs {row['own_pairs']}, one batch {row['one_batch_pairs']} pairs {base:.3f} ms"
