@@ -1,4 +1,4 @@
-"""Decodes of different contexts: one padded attention batch against groups of similar context (`attention.pad_groups`
+"""Decodes of different contexts: one padded attention batch against groups of similar context (`attention.decode_groups`
 with `DECODE_PAD`, or the rules given), the bundled model's decode forward (metadata, forward, logits) in process.
 
     OMP_WAIT_POLICY=PASSIVE python launch/bench_decode_groups.py --batches 8,16,32,64,128 --rounds 3 \
