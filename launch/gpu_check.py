@@ -380,7 +380,9 @@ def check_parity(args, tmp) -> dict:
     from dspark_cluster import SamplingParams
 
     small = args.small
-    prompts = random_prompts([5, 11, 3] if small else [5, 23, 11, 40], seed=3)
+    # (one long enough that its attention runs in query chunks, attention.query_chunks, and its decodes beside
+    # short ones)
+    prompts = random_prompts([5, 11, 3, 140] if small else [5, 23, 11, 40, 300], seed=3)
     n_new = 12 if small else 64
     dtypes = ["float32"] + (["bfloat16"] if args.dtype == "bfloat16" else [])
     greedy = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)

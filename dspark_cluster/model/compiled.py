@@ -120,6 +120,7 @@ class CompiledDecode:
             ids, positions, meta, real = self._padded(none, none, torch.zeros(0, 1, dtype=torch.long), block_size, Bp)
             for capture in self.captures:
                 self.fn(ids, positions, meta, capture, real)
+            self.model.captured = None  # (the padding rows' states: nobody reads them)
             log.info("model.compile: decode bucket %d (%d/%d) in %.1f s", Bp, i + 1, len(self.buckets),
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
