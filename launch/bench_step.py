@@ -157,7 +157,9 @@ def experts(per_slot=(2, 8, 16, 24, 32, 48, 64, 128, 445), slots: int = 8, hidde
         gate, up = torch._grouped_mm(xs, w13t, offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, w2t, offs=offs)
 
-    onednn = torch.ops.mkldnn._linear_pointwise
+    def onednn(x, w):  # w plain, or reordered into oneDNN's blocked layout
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
     w13, w2 = torch.randn(slots, 2 * inter, hidden) * 0.05, torch.randn(slots, hidden, inter) * 0.05
     w13r, w2r = ([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws] for ws in (w13, w2))
     out, gen = {}, torch.Generator().manual_seed(0)
@@ -166,10 +168,8 @@ def experts(per_slot=(2, 8, 16, 24, 32, 48, 64, 128, 445), slots: int = 8, hidde
         xs = torch.randn(m * slots, hidden)
         n = max(20, 4000 // m)
         out[f"grouped_{m}"] = 1e3 * timed(lambda: grouped(xs, counts, w13.transpose(1, 2), w2.transpose(1, 2)), n)
-        out[f"plain_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, w13, w2, lambda x, w: onednn(x, w, None, "none", [], "")), n)
-        out[f"reordered_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, list(range(slots)), list(range(slots)),
-                                                            lambda x, e: onednn(x, (w13r if x.shape[-1] == hidden else w2r)[e],
-                                                                                None, "none", [], "")), n)
+        out[f"plain_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, w13, w2, onednn), n)
+        out[f"reordered_{m}"] = 1e3 * timed(lambda: by_slot(xs, counts, w13r, w2r, onednn), n)
     return out
 
 
