@@ -49,6 +49,10 @@ Checks (`--only NAME,...` runs a subset):
                and confidence schedules): greedy output vs no speculation, same engine config
                otherwise. fp32: identical. bf16: identical, or diverging only where the
                non-speculative run's own log-probabilities of the two tokens are within 0.5 nats.
+               With model.compile on (--compile; on CUDA by default): dspark with idle stretches
+               forced (plain steps run compiled, as CUDA graphs on CUDA, and the context stash
+               holds their states until drafting resumes): the same identity, no recompile and no
+               CUDA graph recorded after the warm-up, none skipped.
   spec_law     sampled output (temperature 1, 8-token vocabulary, seeded per request) with
                draft_model and dspark: chi-square of the first token, the second (the first one
                drafted) and the 3-token joint against the target's exact law as the engine computes
@@ -62,8 +66,9 @@ Checks (`--only NAME,...` runs a subset):
   decode       decode tok/s at batch 1, 16 and 64 on a random model with Qwen3-30B-A3B's layer
                shapes (4 layers), against the HBM roofline (active weight bytes + KV bytes read per
                step) / measured device-to-device copy bandwidth; with model.compile off and on
-               (--compile; on CUDA `on` is torch.compile + CUDA graphs per decode bucket), with
-               the compile warm-up and the recompiles seen after it.
+               (--compile; on CUDA `on` is torch.compile + CUDA graphs per decode bucket, cut
+               around attention), with the compile warm-up and the recompiles and CUDA graphs
+               recorded after it (none, and none skipped, or the check fails).
 
 Output: a table per check on stdout and a JSON file (--out, default gpu_check.json; rewritten
 after every check, so a run cut short keeps what it finished) with every figure, the device,
@@ -87,6 +92,7 @@ import traceback
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -450,6 +456,38 @@ def spec_cfg(method, draft, k, schedule="static"):
     return {"method": method, "draft_model": str(draft), "num_tokens": k, "schedule": schedule}
 
 
+def compile_modes(args) -> list:
+    """model.compile modes besides off that the checks run (--compile; default: on for CUDA, none on the CPU)."""
+    return [m for m in (args.compile or ("off,on" if torch.device(args.device).type == "cuda" else "off")).split(",")
+            if m != "off"]
+
+
+def idle_stretches(llm, pattern) -> None:
+    """The confidence schedule's choice replaced: the i-th step drafts pattern[i % len(pattern)] positions (0: a
+    plain step, compiled where model.compile is on, whose exported states the context stash holds) and verifies
+    every drafted position."""
+    planner, calls = llm.engine.speculation.planner, iter(range(10**9))
+
+    def draft_len(num_rows):
+        planner.exploring = planner._learning = False
+        return pattern[next(calls) % len(pattern)]
+
+    planner.draft_len = draft_len
+    planner.verify_lengths = lambda raw, *a: (~np.isnan(raw)).sum(1)
+
+
+def compile_faults(stats) -> list:
+    """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up, skipped
+    CUDA graphs, a warm-up that did not compile one whole graph a bucket, no compiled step."""
+    if stats is None:
+        return ["no compiled runner"]
+    bad = [k for k in ("compile_recompiles_after_warm_up", "compile_cuda_graphs_after_warm_up",
+                       "compile_cuda_graph_skips") if stats.get(k)]
+    if stats.get("compile_graphs_expected") not in (None, stats.get("compile_warm_up_graphs")):
+        bad.append("compile_warm_up_graphs")  # graph breaks, or steps left eager by dynamo's limits
+    return bad + ([] if stats.get("compile_steps") else ["no compiled step"])
+
+
 def check_speculative(args, tmp) -> dict:
     from dspark_cluster import SamplingParams
 
@@ -473,12 +511,25 @@ def check_speculative(args, tmp) -> dict:
                     "dspark_two_passes": {**spec_cfg("dspark", dspark2, 3), "draft_passes": 2}}
         if not small:
             variants["dspark_confidence"] = spec_cfg("dspark", dspark, 3, "confidence")
+        for mode in compile_modes(args):  # plain steps compiled (CUDA graphs on CUDA), their states held for later
+            variants[f"dspark_idle_compile_{mode}"] = {**spec_cfg("dspark", dspark, 3, "confidence"),
+                                                       "context_window": 4, "compile": mode}
         for dt in dtypes:
             with make_llm(target, dt, args.device) as llm:
                 base = llm.generate(prompts, base_params)
             for name, sp in variants.items():
-                with make_llm(target, dt, args.device, speculative=sp) as llm:
+                sp = dict(sp)
+                mode = sp.pop("compile", "off")
+                sched = {"max_num_seqs": len(prompts)} if mode != "off" else None  # few buckets to compile
+                compiled = None
+                with make_llm(target, dt, args.device, speculative=sp, scheduler=sched, compile_mode=mode) as llm:
+                    if mode != "off":
+                        idle_stretches(llm, [0] * 6 + [3] * 2)
                     outs = llm.generate(prompts, greedy)
+                    if mode != "off":
+                        worker = llm.engine.executor.worker
+                        compiled = worker.compiled.stats() if worker.compiled is not None else None
+                        flushes = worker.stash.flushes if worker.stash is not None else 0
                 drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
                 accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
                 divs, gaps = [], []
@@ -501,6 +552,9 @@ def check_speculative(args, tmp) -> dict:
                     passed = all(g <= BF16_TIE_NATS for g in gaps)
                 # drafting must have happened, except where the confidence schedule may judge it not worth it
                 passed &= all(len(o.token_ids) == n_new for o in outs) and (drafted > 0 or "confidence" in name)
+                if mode != "off":  # drafting resumed after the compiled idle steps, from the rows held for it
+                    r.update(compile=compiled, compile_faults=compile_faults(compiled), stash_flushes=flushes)
+                    passed &= drafted > 0 and flushes > 0 and not r["compile_faults"]
                 r["passed"] = passed = bool(passed)
                 ok &= passed
                 res["runs"][f"{arch}/{dt}/{name}"] = r
@@ -812,8 +866,9 @@ def check_decode(args, tmp) -> dict:
                 rows.append([f"{B} (compile {mode})", r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["roofline_ms"],
                              r["x_roofline"], r["active_experts_per_layer"], weight_read / 1e6, kv_read / 1e6])
             compiled = getattr(ex.worker, "compiled", None)
-            if compiled is not None:
-                res[f"compile_{mode}"] = compiled.stats()
+            if mode != "off":
+                res[f"compile_{mode}"] = compiled.stats() if compiled is not None else None
+                res[f"compile_{mode}_faults"] = compile_faults(res[f"compile_{mode}"])
         finally:
             llm.shutdown()
             del llm
@@ -822,7 +877,7 @@ def check_decode(args, tmp) -> dict:
         return rows
 
     rows = []
-    for mode in (args.compile or ("off,on" if torch.device(dev).type == "cuda" else "off")).split(","):
+    for mode in ["off", *compile_modes(args)]:
         if mode != "off":
             res["batches_compile_" + mode] = {}
         rows += run_mode(mode)
@@ -831,7 +886,8 @@ def check_decode(args, tmp) -> dict:
     say(f"(Qwen3-30B-A3B layer shapes, {num_layers} layers, {args.dtype}; roofline = bytes read per decode step / "
         f"measured device-to-device copy bandwidth {bw / 1e9:.0f} GB/s (bytes read + written per second); step ms = "
         "wall time between decode steps, forward ms = the executor's own time)")
-    res["passed"] = all(r["decode_steps_measured"] >= steps - 2 for r in res["batches"].values())
+    res["passed"] = all(r["decode_steps_measured"] >= steps - 2 for r in res["batches"].values()) and \
+        not any(res[f"compile_{m}_faults"] for m in compile_modes(args))
     return res
 
 
@@ -878,8 +934,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny sizes and few steps (for CPU)")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
     ap.add_argument("--out", default="gpu_check.json")
-    ap.add_argument("--compile", default=None, help="model.compile modes of the decode check (default: off,on "
-                                                   "on cuda, off on cpu)")
+    ap.add_argument("--compile", default=None, help="model.compile modes of the decode and speculative checks "
+                                                   "(default: off,on on cuda, off on cpu)")
     args = ap.parse_args(argv)
     only = CHECKS if not args.only else tuple(s.strip() for s in args.only.split(",") if s.strip())
     bad = [c for c in only if c not in CHECKS]

@@ -446,3 +446,31 @@ def test_every_decode_bucket_may_have_its_graph(monkeypatch):
     runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2), ()))
     assert len(runner.buckets) == 9 and runner.captures == ((), (1, 2))
     assert torch._dynamo.config.recompile_limit > 2 * len(runner.buckets)
+    # a second engine in the same process: the first one's graphs stay in the frame's cache and count toward the
+    # limit (gpu_check found a second engine's buckets left eager)
+    asked = CompiledDecode.graphs_asked
+    CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2)))
+    assert CompiledDecode.graphs_asked == asked + 18 and torch._dynamo.config.recompile_limit > asked + 18
+
+
+def test_cuda_graphs_are_cut_around_attention_and_experts_without_a_grouped_matmul(monkeypatch):
+    """On CUDA a compiled decode step is captured as CUDA graphs in pieces: attention runs between them (its key
+    length grows with the context; a whole-step graph would be recorded again every block_size tokens), and so do
+    the experts where torch has no grouped matmul for their layout (the fallback reads counts on the host, which a
+    capture forbids). The rule, on this machine's tensors: which ops inductor is told to cut at."""
+    from dspark_cluster.model import compiled, layers
+
+    inductor = torch._inductor.config
+    monkeypatch.setattr(inductor, "custom_should_partition_ops", ["someone::else"])  # restored after
+    monkeypatch.setattr(inductor, "graph_partition", False)
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+    compiled._cuda_graph_pieces(model, torch.device("cuda"))
+    assert inductor.graph_partition is True
+    assert inductor.custom_should_partition_ops == ["someone::else", "dspark::decode_attention"]  # a grouped matmul here
+    assert torch.ops.dspark.decode_attention.default.name() == "dspark::decode_attention"
+    monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
+    compiled._cuda_graph_pieces(model, torch.device("cuda"))
+    assert inductor.custom_should_partition_ops == ["someone::else", "dspark::decode_attention",
+                                                    "dspark::grouped_experts"]
+    assert torch.ops.dspark.grouped_experts.default.name() == "dspark::grouped_experts"
+    assert compiled._cuda_graphs(torch.device("cpu")) is None  # counted on CUDA only

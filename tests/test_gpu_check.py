@@ -36,7 +36,8 @@ def run_script(args, timeout=300):
 
 def test_gpu_check_passes_on_cpu_small(tmp_path):
     out = tmp_path / "gpu_check.json"
-    p = run_script(["--device", "cpu", "--small", "--dtype", "float32", "--out", str(out)])
+    # model.compile on as well (a GPU's default): on CUDA the CUDA-graph path, here its compiled steps
+    p = run_script(["--device", "cpu", "--small", "--dtype", "float32", "--compile", "off,on", "--out", str(out)])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "ALL PASS" in p.stdout
     report = json.loads(out.read_text())
@@ -58,9 +59,13 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
         assert r["rel_err"] <= 1e-4 and r["token_share"] == 1.0 and r["first_divergence"] == [None] * 4, arch
 
     spec = checks["speculative"]["runs"]
-    assert {k.split("/")[2] for k in spec} >= {"draft_model_poor", "draft_model_self", "dspark_static", "dspark_two_passes"}
+    assert {k.split("/")[2] for k in spec} >= {"draft_model_poor", "draft_model_self", "dspark_static", "dspark_two_passes",
+                                               "dspark_idle_compile_on"}
     for name, r in spec.items():
         assert r["identical"] and r["num_draft_tokens"] > 0, name
+    idle = spec["qwen3_moe/float32/dspark_idle_compile_on"]  # idle steps compiled, their states held, drafting resumed
+    assert idle["compile_faults"] == [] and idle["stash_flushes"] > 0 and idle["compile"]["compile_steps"] > 0
+    assert idle["compile"]["compile_warm_up_graphs"] == idle["compile"]["compile_graphs_expected"] == 6  # 3 buckets x 2
 
     law = checks["spec_law"]["runs"]
     assert set(law) == {"none", "draft_model", "dspark"}
@@ -81,6 +86,9 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
                     "kv_bytes_per_step", "active_experts_per_layer"):
             assert r[key] > 0, (b, key)
         assert r["decode_steps_measured"] >= dec["decode_steps"] - 2
+    assert set(dec["batches_compile_on"]) == {"1", "4"} and dec["compile_on_faults"] == []
+    # a second engine's graphs in the same process (the speculative check's came first): none left eager
+    assert dec["compile_on"]["compile_warm_up_graphs"] == dec["compile_on"]["compile_graphs_expected"] == 3
 
 
 def test_gpu_check_refuses_an_unknown_check(tmp_path):

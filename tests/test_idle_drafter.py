@@ -127,6 +127,55 @@ def test_greedy_identical_after_long_idle_stretches_in_process(placement, target
             torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
 
 
+class GraphLike:
+    """A compiled decode step as a CUDA graph runs it, without a compiler: each (batch, capture) writes its outputs
+    into the same memory every time, so a step's outputs are overwritten by the next step of its shape."""
+
+    def __init__(self, forward):
+        self.forward, self.model, self.out = forward, forward.__self__, {}
+
+    def __call__(self, ids, positions, meta, capture, real):
+        hidden = self.forward(ids, positions, meta, capture, real)
+        fresh = (hidden, self.model.captured)
+        held = self.out.setdefault((ids.numel(), capture), tuple(None if t is None else torch.empty_like(t) for t in fresh))
+        for t, h in zip(fresh, held):
+            if t is not None:
+                h.copy_(t)
+        self.model.captured = held[1]
+        return held[0]
+
+
+def test_rows_kept_from_compiled_steps_outlive_the_next_replay(target, drafter, prompts, plain, monkeypatch):
+    """model.compile on (on CUDA: CUDA graphs, whose outputs the next replay of the same bucket overwrites): the
+    idle steps run compiled and the stash holds their exported layers' states until drafting resumes; the rows
+    that then reach the drafter are still the target's states at their positions (the runner copies them out of
+    the graph's memory), and outputs are plain decoding's."""
+    from conftest import hf_model
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: GraphLike(fn))
+    cfg = idle_config(drafter, window=3, placement="target")
+    cfg["model"] = {"compile": "on"}
+    cfg["scheduler"]["max_num_seqs"] = len(prompts)
+    llm = LLM(target, config=cfg)
+    llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [0] * 10 + [3] * 3 + [0] * 2 + [4] * 2)
+    proposer, compiled = dspark_proposer(llm), llm.engine.executor.worker.compiled
+    assert isinstance(compiled.fn, GraphLike)
+    seen, ingest = [], proposer.ingest
+    proposer.ingest = lambda rows: (seen.append(rows), ingest(rows))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert compiled.steps >= 12 and llm.engine.executor.worker.stash.flushes > 0
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+    by_seq, hf = rows_by_position(seen), hf_model(target)
+    for o in outs:
+        seq = o.prompt_token_ids + o.token_ids
+        want = hf_context_states(hf, seq)
+        rows = next(r for r in by_seq.values()
+                    if max(r) < len(seq) - 1 and torch.allclose(r[min(r)], want[min(r)], atol=1e-4))
+        for pos, h in rows.items():
+            torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
+
+
 def test_context_stash_keeps_a_window_and_frees():
     F, W = 3, 4
     stash = ContextStash(window=W)

@@ -7,14 +7,22 @@ outputs dropped and their routing kept out of the expert-load statistics (`real`
 the grouped expert matmul are opaque ops to the compiler (`dspark::decode_attention`,
 `dspark::grouped_experts`), so a step's key length is a dynamic dimension that never recompiles;
 everything between them (projections, norms, rope, routing, the residual stream) is one graph per
-bucket. On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`). Prefill chunks,
+bucket. On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM
+does: attention runs between the captured pieces (inductor's graph partition), because a CUDA graph
+has fixed shapes and the key length grows with the context (whole-step graphs would record a new
+graph per bucket every block_size tokens of context, while serving); so does the expert op where
+torch has no grouped matmul for the experts' layout (its fallback reads the counts on the host). A
+CUDA graph's outputs are overwritten by its next replay: what a step leaves for later (the exported
+layers' states, which the context stash holds across idle steps) is copied out. Prefill chunks,
 verify rows and mixed steps run eager (their token counts vary every step).
 
     runner = CompiledDecode(model, max_num_seqs, device, captures)
-    runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds)
+    runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds);
+                                        on CUDA also records its CUDA graphs
     runner.applies(step) -> bool        a decode-only step within the buckets
     runner(step, capture) -> hidden [T, H]
-    runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since
+    runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since (and CUDA
+                                        graphs recorded, at warm-up and since)
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 
 import torch
 
+from . import layers
 from .attention import build_metadata
 
 log = logging.getLogger(__name__)
@@ -56,7 +65,54 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _cuda_graphs(device: torch.device):
+    """CUDA graphs recorded so far on `device` (the nodes of inductor's CUDA graph trees; None off CUDA or where
+    this torch keeps them elsewhere)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+        if manager is None:
+            return 0
+        n, nodes = 0, list(manager.get_roots())
+        while nodes:
+            node = nodes.pop()
+            n += 1
+            nodes.extend(c for children in node.children.values() for c in children)
+        return n
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def _cuda_graph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def _cuda_graph_pieces(model, device: torch.device) -> None:
+    """Where a step's CUDA graphs end: attention runs between them (its key length varies), and the experts where
+    torch has no grouped matmul for their layout (the fallback reads the counts on the host, which a capture forbids).
+    Inductor's graph partition does the cutting (torch >= 2.9; an older torch records a whole-step graph per key
+    length instead, with a warning)."""
+    inductor = torch._inductor.config
+    if not hasattr(inductor, "custom_should_partition_ops") or not hasattr(inductor, "graph_partition"):
+        log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: each decode bucket "
+                    "records a CUDA graph per key length while serving", torch.__version__)
+        return
+    ops = ["dspark::decode_attention"]
+    moe = next(iter(model.moe_layers), None)
+    if moe is not None and not layers.grouped_mm_available(moe.w13, moe.w2):
+        ops.append("dspark::grouped_experts")
+    inductor.graph_partition = True
+    inductor.custom_should_partition_ops = list(dict.fromkeys([*inductor.custom_should_partition_ops, *ops]))
+
+
 class CompiledDecode:
+    graphs_asked = 0  # by every runner made in this process (dynamo's cache of model.forward holds them all)
+
     def __init__(self, model, max_num_seqs: int, device, captures: tuple = ((),)):
         """captures: the layer tuples steps will capture (`model.forward`'s capture: a guard, so a graph each):
         () alone, or also the exported layers where a drafter reads them."""
@@ -64,13 +120,18 @@ class CompiledDecode:
         self.buckets = decode_buckets(max_num_seqs)
         self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
         mode = "reduce-overhead" if self.device.type == "cuda" else None
+        if mode is not None:
+            _cuda_graph_pieces(model, self.device)
         # one graph a bucket and capture, all of the same frame: past dynamo's limit of graphs a frame (8) the
-        # larger buckets would run eager, silently (max_num_seqs 256 has 9 buckets)
+        # larger buckets would run eager, silently (max_num_seqs 256 has 9 buckets). The graphs of earlier engines
+        # in this process stay in the frame's cache and count too: the limit covers every runner made here
+        CompiledDecode.graphs_asked += len(self.buckets) * len(self.captures)
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.graphs_asked + 1)
         self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
+        self.cuda_graphs_at_warm_up = None
         self.steps = 0
 
     def applies(self, step) -> bool:
@@ -105,13 +166,15 @@ class CompiledDecode:
                                                   step.block_size)
         hidden = self.fn(ids, positions, meta, capture, real)
         self.steps += 1
-        if self.model.captured is not None:
-            self.model.captured = self.model.captured[:B]
+        if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
+            self.model.captured = self.model.captured[:B].clone()
         return hidden[:B]
 
     @torch.inference_mode()  # as the steps run: inference tensors (the guards check their dispatch keys)
     def warm_up(self) -> None:
-        """Compile every bucket with a step of padding rows only (the scratch block's KV)."""
+        """Compile every bucket with a step of padding rows only (the scratch block's KV), twice: on CUDA a
+        graph's first run warms it up and its second records its CUDA graphs (one bucket at a time: a warm-up run
+        between another graph's warm-up and recording would move its memory)."""
         t0, graphs = time.perf_counter(), _graphs()
         block_size = self.model.attention_layers[0].kv_cache[0].shape[1]
         none = torch.zeros(0, dtype=torch.long)
@@ -119,20 +182,26 @@ class CompiledDecode:
             t = time.perf_counter()
             ids, positions, meta, real = self._padded(none, none, torch.zeros(0, 1, dtype=torch.long), block_size, Bp)
             for capture in self.captures:
-                self.fn(ids, positions, meta, capture, real)
+                for _ in range(2):
+                    self.fn(ids, positions, meta, capture, real)
             self.model.captured = None  # (the padding rows' states: nobody reads them)
             log.info("model.compile: decode bucket %d (%d/%d) in %.1f s", Bp, i + 1, len(self.buckets),
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = self.graphs_at_warm_up - graphs
+        self.cuda_graphs_at_warm_up = _cuda_graphs(self.device)
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
         # the collectives are graph breaks by design)
-        whole = len(self.buckets) * len(self.captures)
-        if self.one_graph_a_step() and self.warm_up_graphs != whole:
+        if self.one_graph_a_step() and self.warm_up_graphs != self.graphs_expected():
             log.warning("model.compile: %d graphs for %d decode buckets x %d captures (graph breaks or dynamo's "
                         "limits: the steps run partly eager)", self.warm_up_graphs, len(self.buckets), len(self.captures))
+
+    def graphs_expected(self):
+        """The graphs the warm-up compiles when each step is one whole graph: one a bucket and capture (None where
+        a step has collectives, which cut it by design)."""
+        return len(self.buckets) * len(self.captures) if self.one_graph_a_step() else None
 
     def one_graph_a_step(self) -> bool:
         """Whether a step compiles to one graph: no collective in it (one rank, no expert dispatch)."""
@@ -142,7 +211,13 @@ class CompiledDecode:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
                 "compile_graphs": graphs, "compile_steps": self.steps,
-                # one a bucket when each decode step is one whole graph
-                "compile_warm_up_graphs": self.warm_up_graphs,
+                # one a bucket and capture when each decode step is one whole graph (expected: that count)
+                "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
-                else graphs - self.graphs_at_warm_up}
+                else graphs - self.graphs_at_warm_up,
+                # on CUDA: the CUDA graphs the warm-up recorded (a piece of a step each), and any recorded since
+                "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up,
+                "compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
+                else _cuda_graphs(self.device) - self.cuda_graphs_at_warm_up,
+                # graphs inductor left without CUDA graphs (it logs why), in this process
+                "compile_cuda_graph_skips": _cuda_graph_skips() if self.device.type == "cuda" else None}

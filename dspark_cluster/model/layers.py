@@ -412,6 +412,15 @@ def _grouped_mm_experts(xs_sorted, counts, w13, w2, w13t=None, w2t=None):
         return None
 
 
+def grouped_mm_available(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the experts of these stacked weights ([n, 2I, H], [n, H, I]) run as grouped matmuls on their device
+    (else slot by slot, with the counts read on the host): tried once on two rows."""
+    xs = torch.zeros(2, w13.shape[-1], dtype=w13.dtype, device=w13.device)
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=w13.device)
+    counts[0] = 2
+    return _grouped_mm_experts(xs, counts, w13, w2) is not None
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared experts). Gating runs on every rank; this module holds the
     experts listed in `expert_ids` as stacked tensors. `dispatch` moves tokens to the ranks holding
