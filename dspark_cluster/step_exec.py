@@ -205,7 +205,9 @@ def _idle_step(model, device) -> StepOutput:
     dtype = model.lm_head.weight.dtype
     for moe in model.moe_layers:
         moe.last_load = torch.zeros(model.spec.num_experts, dtype=torch.long, device=device)
-        if moe.dispatch is not None:
+        if moe.dispatch is None:  # (with expert parallelism the dispatch below counts what the others send)
+            moe.last_slot_load = torch.zeros(len(moe.expert_ids), dtype=torch.long, device=device)
+        else:
             x = torch.empty(0, H, dtype=dtype, device=device)
             moe.dispatch(moe, x, torch.empty(0, model.spec.top_k, dtype=torch.long, device=device),
                          torch.empty(0, model.spec.top_k, device=device))

@@ -453,24 +453,41 @@ def test_every_decode_bucket_may_have_its_graph(monkeypatch):
     assert CompiledDecode.graphs_asked == asked + 18 and torch._dynamo.config.recompile_limit > asked + 18
 
 
-def test_cuda_graphs_are_cut_around_attention_and_experts_without_a_grouped_matmul(monkeypatch):
+def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(monkeypatch):
     """On CUDA a compiled decode step is captured as CUDA graphs in pieces: attention runs between them (its key
     length grows with the context; a whole-step graph would be recorded again every block_size tokens), and so do
-    the experts where torch has no grouped matmul for their layout (the fallback reads counts on the host, which a
-    capture forbids). The rule, on this machine's tensors: which ops inductor is told to cut at."""
+    the experts unless torch's grouped matmul keeps their offsets on the device (bf16 on sm90 / sm100; elsewhere
+    the fallbacks read counts on the host, which a capture forbids). The rule, on this machine's tensors: which ops
+    inductor is told to cut at, by dtype, compute capability and whether a grouped matmul runs."""
     from dspark_cluster.model import compiled, layers
 
     inductor = torch._inductor.config
-    monkeypatch.setattr(inductor, "custom_should_partition_ops", ["someone::else"])  # restored after
     monkeypatch.setattr(inductor, "graph_partition", False)
-    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
-    compiled._cuda_graph_pieces(model, torch.device("cuda"))
-    assert inductor.graph_partition is True
-    assert inductor.custom_should_partition_ops == ["someone::else", "dspark::decode_attention"]  # a grouped matmul here
-    assert torch.ops.dspark.decode_attention.default.name() == "dspark::decode_attention"
+    spec = load_spec(TINY_MOE, "float32")
+    model = load_model(TINY_MOE, spec)
+    bf16 = load_model(TINY_MOE, load_spec(TINY_MOE, "bfloat16"))
+    attention, experts = "dspark::decode_attention", "dspark::grouped_experts"
+    for m, capability, want in ((bf16, (9, 0), [attention]), (bf16, (10, 0), [attention]),
+                                (bf16, (8, 0), [attention, experts]), (model, (9, 0), [attention, experts])):
+        monkeypatch.setattr(inductor, "custom_should_partition_ops", ["someone::else"])  # restored after
+        compiled._cuda_graph_pieces(m, capability)
+        assert inductor.graph_partition is True
+        assert inductor.custom_should_partition_ops == ["someone::else", *want], (m.lm_head.weight.dtype, capability)
     monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
-    compiled._cuda_graph_pieces(model, torch.device("cuda"))
-    assert inductor.custom_should_partition_ops == ["someone::else", "dspark::decode_attention",
-                                                    "dspark::grouped_experts"]
-    assert torch.ops.dspark.grouped_experts.default.name() == "dspark::grouped_experts"
-    assert compiled._cuda_graphs(torch.device("cpu")) is None  # counted on CUDA only
+    monkeypatch.setattr(inductor, "custom_should_partition_ops", [])
+    compiled._cuda_graph_pieces(bf16, (9, 0))
+    assert inductor.custom_should_partition_ops == [attention, experts]
+    for name in (attention, experts):  # the names are the registered ops'
+        assert getattr(torch.ops.dspark, name.split("::")[1]).default.name() == name
+    assert compiled._cuda_graphs(compiled._cuda_graph_manager(torch.device("cpu"))) is None  # counted on CUDA only
+
+def test_an_idle_group_reports_no_load_of_its_own():
+    """A data-parallel group with nothing scheduled reports zero expert and slot load, not its last step's again."""
+    from dspark_cluster.step_exec import _idle_step
+
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+    _decode_forward(model, 4, 32)()
+    assert all(int(m.last_slot_load.sum()) == 4 * model.spec.top_k for m in model.moe_layers)
+    out = _idle_step(model, "cpu")
+    assert out.slot_load.shape == (len(model.moe_layers), model.spec.num_experts) and int(out.slot_load.sum()) == 0
+    assert int(out.expert_load.sum()) == 0

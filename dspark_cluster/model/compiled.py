@@ -65,24 +65,31 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _cuda_graphs(device: torch.device):
-    """CUDA graphs recorded so far on `device` (the nodes of inductor's CUDA graph trees; None off CUDA or where
-    this torch keeps them elsewhere)."""
+def _cuda_graph_manager(device: torch.device):
+    """Inductor's CUDA graph tree manager for `device` in this thread (None off CUDA, before any graph, or where
+    this torch keeps it elsewhere). Managers are per thread: the engine's thread may not be the warm-up's."""
     if device.type != "cuda":
         return None
     try:
         from torch._inductor import cudagraph_trees
 
-        manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
-        if manager is None:
-            return 0
+        return cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def _cuda_graphs(manager):
+    """CUDA graphs a tree manager has recorded (the nodes of its trees; None without a manager)."""
+    if manager is None:
+        return None
+    try:
         n, nodes = 0, list(manager.get_roots())
         while nodes:
             node = nodes.pop()
             n += 1
             nodes.extend(c for children in node.children.values() for c in children)
         return n
-    except (ImportError, AttributeError, TypeError):
+    except (AttributeError, TypeError):
         return None
 
 
@@ -92,11 +99,17 @@ def _cuda_graph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def _cuda_graph_pieces(model, device: torch.device) -> None:
-    """Where a step's CUDA graphs end: attention runs between them (its key length varies), and the experts where
-    torch has no grouped matmul for their layout (the fallback reads the counts on the host, which a capture forbids).
-    Inductor's graph partition does the cutting (torch >= 2.9; an older torch records a whole-step graph per key
-    length instead, with a warning)."""
+def experts_in_cuda_graphs(w13: torch.Tensor, w2: torch.Tensor, capability: tuple) -> bool:
+    """Whether the expert op may run inside a CUDA graph on a device of this compute capability: only where torch's
+    grouped matmul keeps its offsets on the device, bf16 on sm90 / sm100 (elsewhere torch's own fallback reads them
+    on the host, as ours does slot by slot, and a capture forbids that)."""
+    return w13.dtype == torch.bfloat16 and capability[0] in (9, 10) and layers.grouped_mm_available(w13, w2)
+
+
+def _cuda_graph_pieces(model, capability: tuple) -> None:
+    """Where a step's CUDA graphs end on a device of this compute capability: attention runs between them (its key
+    length varies), and so do the experts unless `experts_in_cuda_graphs`. Inductor's graph partition does the
+    cutting (torch >= 2.9; an older torch records a whole-step graph per key length instead, with a warning)."""
     inductor = torch._inductor.config
     if not hasattr(inductor, "custom_should_partition_ops") or not hasattr(inductor, "graph_partition"):
         log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: each decode bucket "
@@ -104,7 +117,7 @@ def _cuda_graph_pieces(model, device: torch.device) -> None:
         return
     ops = ["dspark::decode_attention"]
     moe = next(iter(model.moe_layers), None)
-    if moe is not None and not layers.grouped_mm_available(moe.w13, moe.w2):
+    if moe is not None and not experts_in_cuda_graphs(moe.w13, moe.w2, capability):
         ops.append("dspark::grouped_experts")
     inductor.graph_partition = True
     inductor.custom_should_partition_ops = list(dict.fromkeys([*inductor.custom_should_partition_ops, *ops]))
@@ -121,7 +134,7 @@ class CompiledDecode:
         self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         if mode is not None:
-            _cuda_graph_pieces(model, self.device)
+            _cuda_graph_pieces(model, torch.cuda.get_device_capability(self.device))
         # one graph a bucket and capture, all of the same frame: past dynamo's limit of graphs a frame (8) the
         # larger buckets would run eager, silently (max_num_seqs 256 has 9 buckets). The graphs of earlier engines
         # in this process stay in the frame's cache and count too: the limit covers every runner made here
@@ -131,7 +144,7 @@ class CompiledDecode:
         self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
-        self.cuda_graphs_at_warm_up = None
+        self.cuda_graphs_at_warm_up = self.cuda_graph_manager = None
         self.steps = 0
 
     def applies(self, step) -> bool:
@@ -190,7 +203,8 @@ class CompiledDecode:
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = self.graphs_at_warm_up - graphs
-        self.cuda_graphs_at_warm_up = _cuda_graphs(self.device)
+        self.cuda_graph_manager = _cuda_graph_manager(self.device)  # (the warm-up thread's: its graphs replay anywhere)
+        self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_manager)
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
         # the collectives are graph breaks by design)
@@ -218,6 +232,6 @@ class CompiledDecode:
                 # on CUDA: the CUDA graphs the warm-up recorded (a piece of a step each), and any recorded since
                 "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up,
                 "compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
-                else _cuda_graphs(self.device) - self.cuda_graphs_at_warm_up,
+                else _cuda_graphs(self.cuda_graph_manager) - self.cuda_graphs_at_warm_up,
                 # graphs inductor left without CUDA graphs (it logs why), in this process
                 "compile_cuda_graph_skips": _cuda_graph_skips() if self.device.type == "cuda" else None}
