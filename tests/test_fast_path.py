@@ -177,9 +177,9 @@ def _reference_logits(model, prompt):
 def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
     """The bundled model with model.compile on (buckets 1, 2, 3: max_num_seqs 3): greedy tokens
     equal eager's for batches that pad (3 -> 3, 1 -> 1, 2 sequences finishing at different
-    lengths), through block boundaries (context 5..40 with 4-token blocks), each bucket's step is
-    one graph (no graph break: session 26's oneDNN rule broke it at every linear, unseen), and no
-    graph is compiled after the warm-up."""
+    lengths), through block boundaries (context 5..40 with 4-token blocks), a step is one graph (no
+    graph break: session 26's oneDNN rule broke it at every linear, unseen), batch 1's and one for
+    the larger buckets (no batch size specialised), and no graph is compiled after the warm-up."""
     from dspark_cluster import LLM, SamplingParams
 
     prompts = [[5, 9, 2, 7, 1], [11, 3, 8], [8, 1, 4, 4, 4, 2, 9]]
@@ -199,7 +199,7 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
             llm.shutdown()
     assert outs["on"] == outs["off"] and outs["on-one"] == outs["off-one"]
     assert stats["compile_buckets"] == [1, 2, 3] and stats["compile_recompiles_after_warm_up"] == 0
-    assert stats["compile_warm_up_graphs"] == 3
+    assert stats["compile_warm_up_graphs"] == stats["compile_graphs_expected"] == 2  # batch 1, and 2-3 (dynamic)
     assert stats["compile_steps"] > 30  # the decode steps ran compiled
 
 
@@ -434,23 +434,28 @@ def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
         torch.testing.assert_close(layers.grouped_experts(xi, counts, w13i, w2i)[:n], ref[:n], rtol=1e-5, atol=1e-5)
 
 
-def test_every_decode_bucket_may_have_its_graph(monkeypatch):
-    """max_num_seqs 256 has 9 decode buckets, one graph each of the same frame and per capture (a drafter's exported
+def test_decode_buckets_pad_by_few_rows_and_every_bucket_may_have_its_graph(monkeypatch):
+    """Decode buckets are vLLM's capture sizes (1, 2, 4, every 8 up to 256, every 16 past it): a step pads by fewer
+    than 8 rows (16 past 256). The batch is a dynamic dimension past 1, so they share a graph a capture; where a
+    batch size is specialised each bucket could need its own, in the same frame, per capture (a drafter's exported
     layers are a second): dynamo's limit of graphs a frame (8 by default) is raised to fit them, else the largest
-    buckets would run eager, silently. (The limit only: compiling 18 graphs here would take a minute; the compile
-    test above checks one graph a bucket.)"""
-    from dspark_cluster.model.compiled import CompiledDecode
+    buckets would run eager, silently. (The limit only: the compile test above checks the graphs.)"""
+    from dspark_cluster.model.compiled import CompiledDecode, bucket_of, decode_buckets
 
+    assert decode_buckets(3) == [1, 2, 3] and decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert decode_buckets(300)[-5:] == [248, 256, 272, 288, 300] and len(decode_buckets(256)) == 35
+    assert bucket_of(33, decode_buckets(64)) == 40 and bucket_of(257, decode_buckets(512)) == 272
+    assert all(bucket_of(n, decode_buckets(512)) - n < (8 if n <= 256 else 16) for n in range(1, 513))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after
     spec = load_spec(TINY_MOE, "float32")
     runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2), ()))
-    assert len(runner.buckets) == 9 and runner.captures == ((), (1, 2))
-    assert torch._dynamo.config.recompile_limit > 2 * len(runner.buckets)
+    assert len(runner.buckets) == 35 and runner.captures == ((), (1, 2))
+    assert runner.graphs_expected() == 4 and torch._dynamo.config.recompile_limit > 2 * len(runner.buckets)
     # a second engine in the same process: the first one's graphs stay in the frame's cache and count toward the
     # limit (gpu_check found a second engine's buckets left eager)
     asked = CompiledDecode.graphs_asked
     CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2)))
-    assert CompiledDecode.graphs_asked == asked + 18 and torch._dynamo.config.recompile_limit > asked + 18
+    assert CompiledDecode.graphs_asked == asked + 70 and torch._dynamo.config.recompile_limit > asked + 70
 
 
 def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(monkeypatch):

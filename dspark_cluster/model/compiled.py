@@ -1,13 +1,15 @@
 """`model.compile`: decode steps through `torch.compile`, one graph per batch bucket.
 
 A decode-only step (every sequence one new token) of B sequences is padded to the smallest bucket
->= B (vLLM's capture sizes: 1, 2, 4, 8, ... up to `scheduler.max_num_seqs`); the padding rows are
+>= B (vLLM's capture sizes: 1, 2, 4, then every 8 rows up to 256 and every 16 past it, up to
+`scheduler.max_num_seqs`); the padding rows are
 token 0 at position 0, their KV written to the cache's scratch block (no sequence owns it), their
 outputs dropped and their routing kept out of the expert-load statistics (`real`). Attention and
 the grouped expert matmul are opaque ops to the compiler (`dspark::decode_attention`,
 `dspark::grouped_experts`), so a step's key length is a dynamic dimension that never recompiles;
-everything between them (projections, norms, rope, routing, the residual stream) is one graph per
-bucket. On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM
+everything between them (projections, norms, rope, routing, the residual stream) is one graph for
+batch 1 and one for every larger bucket (the batch a dynamic dimension: compiled once, as vLLM
+does, so fine buckets cost no compile time). On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM
 does: attention runs between the captured pieces (inductor's graph partition), because a CUDA graph
 has fixed shapes and the key length grows with the context (whole-step graphs would record a new
 graph per bucket every block_size tokens of context, while serving); so does the expert op where
@@ -38,11 +40,11 @@ from .attention import build_metadata
 
 log = logging.getLogger(__name__)
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    return sorted({b for b in DECODE_BUCKETS if b < max_num_seqs} | {max_num_seqs})
+    """The batch sizes decode steps are padded to: 1, 2, 4, every 8 up to 256, every 16 past it, and max_num_seqs
+    (vLLM's capture sizes: a step pads by fewer than 8 rows, 16 past 256, where powers of 2 padded 33 rows to 64)."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs, 16)]
+    return sorted({b for b in sizes if b < max_num_seqs} | {max_num_seqs})
 
 
 def bucket_of(n: int, buckets: list[int]) -> int:
@@ -135,9 +137,9 @@ class CompiledDecode:
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         if mode is not None:
             _cuda_graph_pieces(model, torch.cuda.get_device_capability(self.device))
-        # one graph a bucket and capture, all of the same frame: past dynamo's limit of graphs a frame (8) the
-        # larger buckets would run eager, silently (max_num_seqs 256 has 9 buckets). The graphs of earlier engines
-        # in this process stay in the frame's cache and count too: the limit covers every runner made here
+        # graphs of the same frame, a few a capture (at most one a bucket, where a batch size is specialised): past
+        # dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently. The graphs of earlier
+        # engines in this process stay in the frame's cache and count too: the limit covers every runner made here
         CompiledDecode.graphs_asked += len(self.buckets) * len(self.captures)
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.graphs_asked + 1)
@@ -168,8 +170,12 @@ class CompiledDecode:
         b = meta.batches[0]
         torch._dynamo.mark_dynamic(b.blocks, 0)  # the key length changes every block_size tokens
         torch._dynamo.mark_dynamic(b.attn_mask, 3)
+        ids, positions = ids.to(self.device), positions.to(self.device)
         real = torch.arange(Bp, device=self.device) < B
-        return ids.to(self.device), positions.to(self.device), meta, real
+        if Bp > 1:  # one graph for every bucket past 1 (a size of 1 is specialised): compiled once, replayed by size
+            for t in (ids, positions, real, meta.slot_mapping, b.attn_mask):
+                torch._dynamo.mark_dynamic(t, 0)
+        return ids, positions, meta, real
 
     @torch.inference_mode()
     def __call__(self, step, capture: tuple = ()):
@@ -209,13 +215,14 @@ class CompiledDecode:
         # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
         # the collectives are graph breaks by design)
         if self.one_graph_a_step() and self.warm_up_graphs != self.graphs_expected():
-            log.warning("model.compile: %d graphs for %d decode buckets x %d captures (graph breaks or dynamo's "
-                        "limits: the steps run partly eager)", self.warm_up_graphs, len(self.buckets), len(self.captures))
+            log.warning("model.compile: %d graphs for %d decode buckets x %d captures, where %d were expected (graph "
+                        "breaks or a batch size specialised: more compile time; dynamo's limits: steps partly eager)",
+                        self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
 
     def graphs_expected(self):
-        """The graphs the warm-up compiles when each step is one whole graph: one a bucket and capture (None where
-        a step has collectives, which cut it by design)."""
-        return len(self.buckets) * len(self.captures) if self.one_graph_a_step() else None
+        """The graphs the warm-up compiles when each step is one whole graph: a capture's for batch 1 and for the
+        larger buckets (None where a step has collectives, which cut it by design)."""
+        return len(self.captures) * (1 + (self.buckets[-1] > 1)) if self.one_graph_a_step() else None
 
     def one_graph_a_step(self) -> bool:
         """Whether a step compiles to one graph: no collective in it (one rank, no expert dispatch)."""
@@ -225,7 +232,7 @@ class CompiledDecode:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
                 "compile_graphs": graphs, "compile_steps": self.steps,
-                # one a bucket and capture when each decode step is one whole graph (expected: that count)
+                # a capture's for batch 1 and for the larger buckets when each step is one whole graph (expected)
                 "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
                 else graphs - self.graphs_at_warm_up,

@@ -43,10 +43,10 @@ def reorderable(weight: torch.Tensor) -> bool:
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
     """Whether `linear(x, weight, bias)` runs oneDNN's matmul (the rule in the module's docstring)."""
+    if torch.compiler.is_compiling():  # first: a test of the weight (`is_inference`) is a graph break, which would
+        return False  # cut a compiled step's graph at every linear, and a test of x's size guards a dynamic batch
     n = x.numel()  # rows x in: the cheap tests first (it runs for every linear of every step)
-    # (and compiling before any test of the weight: `is_inference` is a graph break, which would cut a compiled
-    # step's graph at every linear)
-    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1] and not torch.compiler.is_compiling()
+    return (n * weight.shape[0] >= ONEDNN_MIN_WORK and n > x.shape[-1]
             and weight.dtype == x.dtype and x.device == weight.device and reorderable(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad))))
