@@ -496,3 +496,32 @@ def test_an_idle_group_reports_no_load_of_its_own():
     out = _idle_step(model, "cpu")
     assert out.slot_load.shape == (len(model.moe_layers), model.spec.num_experts) and int(out.slot_load.sum()) == 0
     assert int(out.expert_load.sum()) == 0
+
+
+def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatch):
+    """A compiled decode step pads its batch to a bucket; the padding rows' outputs are dropped, so they take row 0's
+    experts: on a GPU an expert only they would route to would be read for nothing (DeepSeek-V3: up to top_k = 8
+    more experts a layer at a small batch). The real rows' outputs and load statistics are as without padding."""
+    from dspark_cluster.model import layers
+
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+    allocate_kv_cache(model, 64, 16, torch.device("cpu"))
+    B, Bp = 2, 8
+    ids = torch.tensor([5, 9] + list(range(100, 100 + Bp - B)))  # padding rows: tokens of their own
+    tables = torch.arange(Bp * 2).view(Bp, 2)
+    positions, meta = build_metadata(torch.ones(Bp, dtype=torch.long), torch.full((Bp,), 20), tables, 16,
+                                     group_decodes=False)
+    slots_seen = []
+    run = layers.run_experts
+    monkeypatch.setattr(layers, "run_experts", lambda xs, slots, *a, **kw: (slots_seen.append(slots), run(xs, slots, *a, **kw))[1])
+    real = torch.arange(Bp) < B
+    with torch.inference_mode():
+        padded = model(ids, positions, meta, real=real)
+        loads = model.expert_load().clone()
+        slots_padded, slots_seen[:] = list(slots_seen), []
+        alone = model(ids[:B], positions[:B], build_metadata(torch.ones(B, dtype=torch.long), torch.full((B,), 20),
+                                                             tables[:B], 16, group_decodes=False)[1])
+    torch.testing.assert_close(padded[:B], alone, atol=1e-5, rtol=1e-5)
+    assert torch.equal(loads, model.expert_load())  # the padding rows are not counted
+    for with_padding, without in zip(slots_padded, slots_seen):  # no slot beyond the real rows' own
+        assert set(with_padding.tolist()) == set(without.tolist())

@@ -479,14 +479,16 @@ class MoE(nn.Module):
         return run_experts(xs, slots, self.w13, self.w2, *self.transposed(), padding=padding)
 
     def forward(self, x, real=None):
-        """real: [T] bool, the rows that are real tokens (None: all); a compiled step pads its batch
-        to a bucket and the padding rows stay out of the load statistics."""
+        """real: [T] bool, the rows that are real tokens (None: all; row 0 is real); a compiled step pads its
+        batch to a bucket, and the padding rows stay out of the load statistics and reach no expert of their own."""
         xf = x if x.dtype == torch.float32 else x.float()
         gate_w = self.gate.weight if self.gate.weight.dtype == torch.float32 else self.gate.weight.float()
         logits = F.linear(xf, gate_w)  # (small, and for a 16-bit model gate_w is a new fp32 tensor a call)
         if self.study:
             logits = logits + self.study_router_bias
         weights, ids = route(logits, self.spec, getattr(self, "e_score_correction_bias", None))
+        if real is not None:  # padding rows (their outputs dropped) take row 0's experts: no expert read for them alone
+            ids = torch.where(real[:, None], ids, ids[:1])
         T, k = ids.shape
         flat = ids.flatten()
         real_rows = None if real is None else real.repeat_interleave(k)
