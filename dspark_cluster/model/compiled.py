@@ -1,20 +1,21 @@
-"""`model.compile`: decode steps through `torch.compile`, one graph per batch bucket.
+"""`model.compile`: decode steps through `torch.compile`, padded to batch buckets.
 
 A decode-only step (every sequence one new token) of B sequences is padded to the smallest bucket
 >= B (vLLM's capture sizes: 1, 2, 4, then every 8 rows up to 256 and every 16 past it, up to
-`scheduler.max_num_seqs`); the padding rows are
-token 0 at position 0, their KV written to the cache's scratch block (no sequence owns it), their
-outputs dropped and their routing kept out of the expert-load statistics (`real`). Attention and
-the grouped expert matmul are opaque ops to the compiler (`dspark::decode_attention`,
-`dspark::grouped_experts`), so a step's key length is a dynamic dimension that never recompiles;
-everything between them (projections, norms, rope, routing, the residual stream) is one graph for
-batch 1 and one for every larger bucket (the batch a dynamic dimension: compiled once, as vLLM
-does, so fine buckets cost no compile time). On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM
-does: attention runs between the captured pieces (inductor's graph partition), because a CUDA graph
-has fixed shapes and the key length grows with the context (whole-step graphs would record a new
-graph per bucket every block_size tokens of context, while serving); so does the expert op where
-torch has no grouped matmul for the experts' layout (its fallback reads the counts on the host). A
-CUDA graph's outputs are overwritten by its next replay: what a step leaves for later (the exported
+`scheduler.max_num_seqs`); the padding rows are token 0 at position 0, their KV written to the
+cache's scratch block (no sequence owns it), their outputs dropped, their routing kept out of the
+expert-load statistics and on row 0's experts (`real`). Attention and the grouped expert matmul are
+opaque ops to the compiler (`dspark::decode_attention`, `dspark::grouped_experts`), so a step's key
+length is a dynamic dimension that never recompiles; everything between them (projections, norms,
+rope, routing, the residual stream) is one graph for batch 1 and one for every larger bucket (the
+batch a dynamic dimension: compiled once, as vLLM does, so fine buckets cost no compile time).
+
+On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM's:
+attention runs between the captured pieces (inductor's graph partition), because a CUDA graph has
+fixed shapes and the key length grows with the context (whole-step graphs would record a new graph
+per bucket every block_size tokens of context, while serving); so do the experts unless torch's
+grouped matmul keeps their offsets on the device (the fallbacks read the counts on the host). A CUDA
+graph's outputs are overwritten by its next replay: what a step leaves for later (the exported
 layers' states, which the context stash holds across idle steps) is copied out. Prefill chunks,
 verify rows and mixed steps run eager (their token counts vary every step).
 
