@@ -47,6 +47,14 @@ def _all_to_all_equal(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+
+def _batch_dynamic(out: torch.Tensor) -> torch.Tensor:
+    """The routed rows [T, H] as a compiled step's next graph takes them: their count a dynamic dimension, as the
+    step's inputs are past batch 1 (model/compiled.py), else the graphs after every dispatch compile a bucket each."""
+    if out.shape[0] > 1:
+        torch._dynamo.maybe_mark_dynamic(out, 0)
+    return out
+
 class ExpertParallelDispatch:
     """Callable installed as `MoE.dispatch` for MoE layer `layer` of the placement. `capacity`:
     the padded layout's rows per rank pair for the step about to run (0: the exact layout); the
@@ -95,11 +103,11 @@ class ExpertParallelDispatch:
         part = torch.zeros(chunk, x.shape[1], dtype=x.dtype, device=x.device)
         part.index_add_(0, token_of[order] - lo, back_rows * w[:, None])
         if st.tp_size == 1:
-            return part[: hi - lo]
+            return _batch_dynamic(part[: hi - lo])
         parts = [torch.empty_like(part) for _ in range(st.tp_size)]
         st.stats.add("all_gather", part.numel() * part.element_size() * (st.tp_size - 1))
         dist.all_gather(parts, part, group=st.tp_group)
-        return torch.cat(parts)[:T]
+        return _batch_dynamic(torch.cat(parts)[:T])
 
     def _exact(self, moe, x, token_of, local_slot, order, send_counts_t):
         """Uneven splits: the counts cross first and are read on the host. Returns each sent row's

@@ -269,8 +269,9 @@ def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, pr
 
 def test_compiled_decode_with_the_drafter_on_the_target_compiles_each_capture_at_warm_up(target, drafter, prompts, plain):
     """model.compile on with a DSpark drafter beside the target: its decode steps capture the exported layers (a
-    guard of the compiled forward), so the warm-up compiles each bucket for both captures (none, the exported
-    layers) and serving compiles nothing more; greedy tokens equal plain decoding's."""
+    guard of the compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph
+    for batch 1 and one for the larger buckets each) and serving compiles nothing more; greedy tokens equal plain
+    decoding's."""
     cfg = target_config(drafter)
     cfg["model"] = {"compile": "on"}
     cfg["scheduler"]["max_num_seqs"] = 2

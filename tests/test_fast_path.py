@@ -200,6 +200,7 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
     assert outs["on"] == outs["off"] and outs["on-one"] == outs["off-one"]
     assert stats["compile_buckets"] == [1, 2, 3] and stats["compile_recompiles_after_warm_up"] == 0
     assert stats["compile_warm_up_graphs"] == stats["compile_graphs_expected"] == 2  # batch 1, and 2-3 (dynamic)
+    assert stats["compile_warm_up_graphs_by_bucket"] == [1, 1, 0]
     assert stats["compile_steps"] > 30  # the decode steps ran compiled
 
 
@@ -209,11 +210,11 @@ def test_compiled_decode_with_expert_parallelism_is_token_identical(ray_cluster)
     bucket), and greedy tokens equal eager's in process."""
     from dspark_cluster import LLM, SamplingParams
 
-    # max_num_seqs 4 (buckets 1, 2, 4): a group decoding 3 rows runs padded to 4, past an all-to-all
+    # max_num_seqs 5 (buckets 1, 2, 4, 5): a group decoding 3 rows runs padded to 4, past an all-to-all
     # sized from 3 rows; lengths differ so that groups decode, finish and prefill at different steps
     prompts = [[5, 9, 2, 7, 1], [11, 3, 8], [8, 1, 4, 4, 4, 2, 9], [2, 6], [7, 7, 3, 1], [9, 4, 4, 2, 2, 8, 1, 3]]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 14, 17, 6, 11)]
-    sched = {"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4}
+    sched = {"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 5}
     base = [o.token_ids for o in LLM(str(TINY_MOE), config={"model": {"dtype": "float32"}, "scheduler": sched})
             .generate(prompts, params)]
     llm = LLM(str(TINY_MOE), config={"model": {"dtype": "float32", "compile": "on"}, "scheduler": sched,
@@ -225,8 +226,13 @@ def test_compiled_decode_with_expert_parallelism_is_token_identical(ray_cluster)
         reports = ray.get(llm.router.__ray_call__.remote(  # each worker's report, read now (after the steps)
             lambda router: ray.get([w.memory_report.remote() for w in router.core.engine.executor.workers])))
         compiled = [r["compile"] for r in reports]
-        assert len(compiled) == 2 and all(c["compile_buckets"] == [1, 2, 4] for c in compiled)
+        assert len(compiled) == 2 and all(c["compile_buckets"] == [1, 2, 4, 5] for c in compiled)
         assert all(c["compile_steps"] > 5 and c["compile_recompiles_after_warm_up"] == 0 for c in compiled), compiled
+        # the all-to-all cuts each step into graphs; every graph's batch is dynamic past 1 (the dispatch's rows too),
+        # so buckets 4 and 5 compile nothing: batch 1's graphs, the same number again for 2, then none
+        for c in compiled:
+            by_bucket = c["compile_warm_up_graphs_by_bucket"]
+            assert by_bucket[0] == by_bucket[1] > 2 and by_bucket[2:] == [0, 0], by_bucket
     finally:
         llm.shutdown()
 
@@ -462,40 +468,28 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     """On CUDA a compiled decode step is captured as CUDA graphs in pieces: attention runs between them (its key
     length grows with the context; a whole-step graph would be recorded again every block_size tokens), and so do
     the experts unless torch's grouped matmul keeps their offsets on the device (bf16 on sm90 / sm100; elsewhere
-    the fallbacks read counts on the host, which a capture forbids). The rule, on this machine's tensors: which ops
-    inductor is told to cut at, by dtype, compute capability and whether a grouped matmul runs."""
+    the fallbacks read counts on the host, which a capture forbids). The rule, on this machine's tensors: the ops a
+    runner's own inductor options cut at, by dtype, compute capability and whether a grouped matmul runs (options
+    of its own: an fp32 engine before a bf16 one in the process must not cut the bf16 one's experts out)."""
     from dspark_cluster.model import compiled, layers
 
-    inductor = torch._inductor.config
-    monkeypatch.setattr(inductor, "graph_partition", False)
-    spec = load_spec(TINY_MOE, "float32")
-    model = load_model(TINY_MOE, spec)
+    before = torch._inductor.config.custom_should_partition_ops
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
     bf16 = load_model(TINY_MOE, load_spec(TINY_MOE, "bfloat16"))
     attention, experts = "dspark::decode_attention", "dspark::grouped_experts"
-    for m, capability, want in ((bf16, (9, 0), [attention]), (bf16, (10, 0), [attention]),
-                                (bf16, (8, 0), [attention, experts]), (model, (9, 0), [attention, experts])):
-        monkeypatch.setattr(inductor, "custom_should_partition_ops", ["someone::else"])  # restored after
-        compiled._cuda_graph_pieces(m, capability)
-        assert inductor.graph_partition is True
-        assert inductor.custom_should_partition_ops == ["someone::else", *want], (m.lm_head.weight.dtype, capability)
+    buckets = compiled.decode_buckets(64)
+    for m, capability, want in ((model, (9, 0), [attention, experts]), (bf16, (9, 0), [attention]),
+                                (bf16, (10, 0), [attention]), (bf16, (8, 0), [attention, experts])):
+        options = compiled.cuda_graph_options(m, capability, buckets)
+        assert options == {"triton.cudagraphs": True, "graph_partition": True, "custom_should_partition_ops": want,
+                           "triton.cudagraph_dynamic_shape_warn_limit": len(buckets) + 1}, (m.lm_head.weight.dtype, capability)
+        torch.compile(m.forward, dynamic=False, options=options)  # inductor takes them (checked when made)
+    assert torch._inductor.config.custom_should_partition_ops == before  # nothing process-wide
     monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
-    monkeypatch.setattr(inductor, "custom_should_partition_ops", [])
-    compiled._cuda_graph_pieces(bf16, (9, 0))
-    assert inductor.custom_should_partition_ops == [attention, experts]
+    assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [attention, experts]
     for name in (attention, experts):  # the names are the registered ops'
         assert getattr(torch.ops.dspark, name.split("::")[1]).default.name() == name
-    assert compiled._cuda_graphs(compiled._cuda_graph_manager(torch.device("cpu"))) is None  # counted on CUDA only
-
-def test_an_idle_group_reports_no_load_of_its_own():
-    """A data-parallel group with nothing scheduled reports zero expert and slot load, not its last step's again."""
-    from dspark_cluster.step_exec import _idle_step
-
-    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
-    _decode_forward(model, 4, 32)()
-    assert all(int(m.last_slot_load.sum()) == 4 * model.spec.top_k for m in model.moe_layers)
-    out = _idle_step(model, "cpu")
-    assert out.slot_load.shape == (len(model.moe_layers), model.spec.num_experts) and int(out.slot_load.sum()) == 0
-    assert int(out.expert_load.sum()) == 0
+    assert compiled._cuda_graphs([compiled._cuda_graph_manager(torch.device("cpu"))]) == 0  # counted on CUDA only
 
 
 def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatch):

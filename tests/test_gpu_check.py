@@ -37,7 +37,8 @@ def run_script(args, timeout=300):
 def test_gpu_check_passes_on_cpu_small(tmp_path):
     out = tmp_path / "gpu_check.json"
     # model.compile on as well (a GPU's default): on CUDA the CUDA-graph path, here its compiled steps
-    p = run_script(["--device", "cpu", "--small", "--dtype", "float32", "--compile", "off,on", "--out", str(out)])
+    p = run_script(["--device", "cpu", "--small", "--dtype", "float32", "--compile", "off,on", "--out", str(out)],
+                   timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "ALL PASS" in p.stdout
     report = json.loads(out.read_text())

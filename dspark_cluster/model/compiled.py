@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 
 import torch
@@ -40,6 +41,7 @@ from . import layers
 from .attention import build_metadata
 
 log = logging.getLogger(__name__)
+
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes decode steps are padded to: 1, 2, 4, every 8 up to 256, every 16 past it, and max_num_seqs
@@ -55,8 +57,8 @@ def bucket_of(n: int, buckets: list[int]) -> int:
 
 def resolve_compile(setting: str, device) -> bool:
     """model.compile -> on or off. auto: on for CUDA (graphs replay a decode step's thousands of
-    launches); off on CPU, where a compiled decode forward measured ~1.3x faster at batch 1 but each
-    bucket costs seconds of warm-up (BENCHMARKS.md, issue 27): `on` pays for long runs."""
+    launches); off on CPU, where compiled steps measured at par with eager (BENCHMARKS.md, issue 27)
+    for seconds of warm-up."""
     if setting == "auto":
         return torch.device(device).type == "cuda"
     return setting == "on"
@@ -70,30 +72,32 @@ def _graphs() -> int:
 
 def _cuda_graph_manager(device: torch.device):
     """Inductor's CUDA graph tree manager for `device` in this thread (None off CUDA, before any graph, or where
-    this torch keeps it elsewhere). Managers are per thread: the engine's thread may not be the warm-up's."""
+    this torch keeps it elsewhere). Managers are per thread: a graph is recorded under the manager of the thread
+    that first runs it at its size."""
     if device.type != "cuda":
         return None
     try:
         from torch._inductor import cudagraph_trees
 
-        return cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cudagraph_trees.get_manager(index, create_if_none_exists=False)
     except (ImportError, AttributeError, TypeError):
         return None
 
 
-def _cuda_graphs(manager):
-    """CUDA graphs a tree manager has recorded (the nodes of its trees; None without a manager)."""
-    if manager is None:
-        return None
-    try:
-        n, nodes = 0, list(manager.get_roots())
+def _cuda_graphs(managers) -> int:
+    """CUDA graphs these tree managers have recorded (the nodes of their trees)."""
+    n = 0
+    for manager in {id(m): m for m in managers if m is not None}.values():
+        try:
+            nodes = list(manager.get_roots())
+        except (AttributeError, TypeError):
+            continue
         while nodes:
             node = nodes.pop()
             n += 1
             nodes.extend(c for children in node.children.values() for c in children)
-        return n
-    except (AttributeError, TypeError):
-        return None
+    return n
 
 
 def _cuda_graph_skips() -> int:
@@ -109,21 +113,26 @@ def experts_in_cuda_graphs(w13: torch.Tensor, w2: torch.Tensor, capability: tupl
     return w13.dtype == torch.bfloat16 and capability[0] in (9, 10) and layers.grouped_mm_available(w13, w2)
 
 
-def _cuda_graph_pieces(model, capability: tuple) -> None:
-    """Where a step's CUDA graphs end on a device of this compute capability: attention runs between them (its key
-    length varies), and so do the experts unless `experts_in_cuda_graphs`. Inductor's graph partition does the
-    cutting (torch >= 2.9; an older torch records a whole-step graph per key length instead, with a warning)."""
-    inductor = torch._inductor.config
-    if not hasattr(inductor, "custom_should_partition_ops") or not hasattr(inductor, "graph_partition"):
+def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
+    """Inductor's options for this runner's CUDA graphs on a device of this compute capability (its own: an engine
+    before it in the process, of another dtype, does not change them). The graphs are cut where attention runs (its
+    key length varies) and where the experts run unless `experts_in_cuda_graphs`; one graph a bucket is expected,
+    not warned about. An older torch without graph partitions (< 2.9) records a whole-step graph per key length
+    instead, with a warning."""
+    options = {"triton.cudagraphs": True}  # what mode="reduce-overhead" sets
+    config = torch._inductor.config
+    if not hasattr(config, "custom_should_partition_ops") or not hasattr(config, "graph_partition"):
         log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: each decode bucket "
                     "records a CUDA graph per key length while serving", torch.__version__)
-        return
+        return options
     ops = ["dspark::decode_attention"]
     moe = next(iter(model.moe_layers), None)
     if moe is not None and not experts_in_cuda_graphs(moe.w13, moe.w2, capability):
         ops.append("dspark::grouped_experts")
-    inductor.graph_partition = True
-    inductor.custom_should_partition_ops = list(dict.fromkeys([*inductor.custom_should_partition_ops, *ops]))
+    options.update({"graph_partition": True, "custom_should_partition_ops": ops})
+    if hasattr(config.triton, "cudagraph_dynamic_shape_warn_limit"):
+        options["triton.cudagraph_dynamic_shape_warn_limit"] = len(buckets) + 1
+    return options
 
 
 class CompiledDecode:
@@ -135,19 +144,21 @@ class CompiledDecode:
         self.model, self.device = model, torch.device(device)
         self.buckets = decode_buckets(max_num_seqs)
         self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        if mode is not None:
-            _cuda_graph_pieces(model, torch.cuda.get_device_capability(self.device))
+        options = cuda_graph_options(model, torch.cuda.get_device_capability(self.device), self.buckets) \
+            if self.device.type == "cuda" else None
         # graphs of the same frame, a few a capture (at most one a bucket, where a batch size is specialised): past
         # dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently. The graphs of earlier
         # engines in this process stay in the frame's cache and count too: the limit covers every runner made here
+        # (an upper bound that only grows; dynamo's limit over all frames, accumulated_recompile_limit, stays)
         CompiledDecode.graphs_asked += len(self.buckets) * len(self.captures)
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.graphs_asked + 1)
-        self.fn = torch.compile(model.forward, dynamic=False, mode=mode)
+        self.fn = torch.compile(model.forward, dynamic=False, options=options)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
-        self.cuda_graphs_at_warm_up = self.cuda_graph_manager = None
+        self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
+        # on CUDA: each thread's tree manager that ran a step, and the counts at the warm-up's end
+        self.cuda_graph_managers, self.cuda_graphs_at_warm_up, self.cuda_graph_skips_before = {}, None, None
         self.steps = 0
 
     def applies(self, step) -> bool:
@@ -186,6 +197,8 @@ class CompiledDecode:
                                                   step.block_size)
         hidden = self.fn(ids, positions, meta, capture, real)
         self.steps += 1
+        if self.device.type == "cuda" and threading.get_ident() not in self.cuda_graph_managers:
+            self._note_cuda_graph_manager()
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
             self.model.captured = self.model.captured[:B].clone()
         return hidden[:B]
@@ -196,22 +209,27 @@ class CompiledDecode:
         graph's first run warms it up and its second records its CUDA graphs (one bucket at a time: a warm-up run
         between another graph's warm-up and recording would move its memory)."""
         t0, graphs = time.perf_counter(), _graphs()
+        if self.device.type == "cuda":
+            self.cuda_graph_skips_before = _cuda_graph_skips()
         block_size = self.model.attention_layers[0].kv_cache[0].shape[1]
         none = torch.zeros(0, dtype=torch.long)
+        self.warm_up_graphs_by_bucket = []
         for i, Bp in enumerate(self.buckets):
-            t = time.perf_counter()
+            t, before = time.perf_counter(), _graphs()
             ids, positions, meta, real = self._padded(none, none, torch.zeros(0, 1, dtype=torch.long), block_size, Bp)
             for capture in self.captures:
                 for _ in range(2):
                     self.fn(ids, positions, meta, capture, real)
             self.model.captured = None  # (the padding rows' states: nobody reads them)
+            self.warm_up_graphs_by_bucket.append(_graphs() - before)
             log.info("model.compile: decode bucket %d (%d/%d) in %.1f s", Bp, i + 1, len(self.buckets),
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = self.graphs_at_warm_up - graphs
-        self.cuda_graph_manager = _cuda_graph_manager(self.device)  # (the warm-up thread's: its graphs replay anywhere)
-        self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_manager)
+        if self.device.type == "cuda":
+            self._note_cuda_graph_manager()
+            self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
         # the collectives are graph breaks by design)
@@ -219,6 +237,11 @@ class CompiledDecode:
             log.warning("model.compile: %d graphs for %d decode buckets x %d captures, where %d were expected (graph "
                         "breaks or a batch size specialised: more compile time; dynamo's limits: steps partly eager)",
                         self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
+
+    def _note_cuda_graph_manager(self) -> None:
+        """Keep this thread's CUDA graph tree manager: a size first run on a thread records its graph there (the
+        in-process engine steps on its own thread, Ray's compiled graph on its loop's)."""
+        self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
 
     def graphs_expected(self):
         """The graphs the warm-up compiles when each step is one whole graph: a capture's for batch 1 and for the
@@ -235,11 +258,13 @@ class CompiledDecode:
                 "compile_graphs": graphs, "compile_steps": self.steps,
                 # a capture's for batch 1 and for the larger buckets when each step is one whole graph (expected)
                 "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
+                "compile_warm_up_graphs_by_bucket": self.warm_up_graphs_by_bucket,
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
                 else graphs - self.graphs_at_warm_up,
                 # on CUDA: the CUDA graphs the warm-up recorded (a piece of a step each), and any recorded since
                 "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up,
                 "compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
-                else _cuda_graphs(self.cuda_graph_manager) - self.cuda_graphs_at_warm_up,
-                # graphs inductor left without CUDA graphs (it logs why), in this process
-                "compile_cuda_graph_skips": _cuda_graph_skips() if self.device.type == "cuda" else None}
+                else _cuda_graphs(self.cuda_graph_managers.values()) - self.cuda_graphs_at_warm_up,
+                # graphs inductor left without CUDA graphs (it logs why), since this runner's warm-up began
+                "compile_cuda_graph_skips": None if self.cuda_graph_skips_before is None
+                else _cuda_graph_skips() - self.cuda_graph_skips_before}
