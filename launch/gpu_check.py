@@ -68,7 +68,9 @@ Checks (`--only NAME,...` runs a subset):
                step) / measured device-to-device copy bandwidth; with model.compile off and on
                (--compile; on CUDA `on` is torch.compile + CUDA graphs per decode bucket, cut
                around attention), with the compile warm-up and the recompiles and CUDA graphs
-               recorded after it (none, and none skipped, or the check fails).
+               recorded after it (none, and none skipped, or the check fails). And at batch 1 with
+               DSpark drafting every step: a drafting step's time (its verify forward eager) over
+               the decode step's.
 
 Output: a table per check on stdout and a JSON file (--out, default gpu_check.json; rewritten
 after every check, so a run cut short keeps what it finished) with every figure, the device,
@@ -876,18 +878,60 @@ def check_decode(args, tmp) -> dict:
                 torch.cuda.empty_cache()
         return rows
 
-    rows = []
+    def verify_cost(mode):
+        """Batch 1 with DSpark drafting every step (static schedule, k = 3, a random drafter): the executor's time of a
+        drafting step (the verify forward of 4 tokens, eager, since only decode-only steps are compiled; with the
+        drafter on the target, its round too) against the same mode's decode step. On a GPU with compile on this is
+        what a drafting step costs beside a CUDA-graph decode step: whether verify steps need graphs too."""
+        draft = build_dspark(path, os.path.join(tmp, f"dspark-{mode}"), layers=(0, 1))
+        llm = make_llm(path, args.dtype, dev, scheduler=sched, speculative=spec_cfg("dspark", draft, 3),
+                       compile_mode=mode)
+        times = []
+        try:
+            ex = llm.engine.executor
+            orig = ex.submit
+
+            def submit(step):
+                t0 = time.perf_counter()
+                out = orig(step)
+                if step.num_draft is not None and step.query_lens.numel() == 1:
+                    times.append(time.perf_counter() - t0)
+                return out
+
+            ex.submit = submit
+            prompt = random_prompts([prompt_len], seed=300, vocab=shape["vocab_size"])
+            llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
+            times.clear()
+            llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+        finally:
+            llm.shutdown()
+            del llm
+            if torch.device(dev).type == "cuda":
+                torch.cuda.empty_cache()
+        key = "batches" if mode == "off" else f"batches_compile_{mode}"
+        decode_ms = res[key]["1"]["forward_ms"]
+        verify_ms = sorted(times)[len(times) // 2] * 1e3 if times else float("nan")
+        res[f"verify_compile_{mode}"] = {"verify_forward_ms": verify_ms, "decode_forward_ms": decode_ms,
+                                         "verify_over_decode": verify_ms / decode_ms, "verify_steps": len(times)}
+        return [mode, verify_ms, decode_ms, verify_ms / decode_ms, len(times)]
+
+    rows, verify_rows = [], []
     for mode in ["off", *compile_modes(args)]:
         if mode != "off":
             res["batches_compile_" + mode] = {}
         rows += run_mode(mode)
+        verify_rows.append(verify_cost(mode))
     say(table(["batch", "tok/s", "step ms", "forward ms", "roofline ms", "x roofline", "experts/layer",
                "weights MB/step", "KV MB/step"], rows))
     say(f"(Qwen3-30B-A3B layer shapes, {num_layers} layers, {args.dtype}; roofline = bytes read per decode step / "
         f"measured device-to-device copy bandwidth {bw / 1e9:.0f} GB/s (bytes read + written per second); step ms = "
         "wall time between decode steps, forward ms = the executor's own time)")
+    say(table(["compile", "verify forward ms", "decode forward ms", "verify / decode", "verify steps"], verify_rows))
+    say("(batch 1, DSpark k = 3 every step: a drafting step's executor time, its verify forward eager, against the "
+        "decode forward above)")
     res["passed"] = all(r["decode_steps_measured"] >= steps - 2 for r in res["batches"].values()) and \
-        not any(res[f"compile_{m}_faults"] for m in compile_modes(args))
+        not any(res[f"compile_{m}_faults"] for m in compile_modes(args)) and \
+        all(res[f"verify_compile_{m}"]["verify_steps"] >= steps // 4 for m in ["off", *compile_modes(args)])
     return res
 
 

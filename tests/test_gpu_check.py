@@ -88,6 +88,9 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
             assert r[key] > 0, (b, key)
         assert r["decode_steps_measured"] >= dec["decode_steps"] - 2
     assert set(dec["batches_compile_on"]) == {"1", "4"} and dec["compile_on_faults"] == []
+    for mode in ("off", "on"):  # a drafting step's time beside the decode step's
+        v = dec[f"verify_compile_{mode}"]
+        assert v["verify_steps"] >= 2 and v["verify_forward_ms"] > 0 and v["verify_over_decode"] > 0, v
     # a second engine's graphs in the same process (the speculative check's came first): none left eager
     assert dec["compile_on"]["compile_warm_up_graphs"] == dec["compile_on"]["compile_graphs_expected"] == 2
 
