@@ -395,6 +395,7 @@ class AsyncEngine:
             "kv_blocks_total": self.engine.num_blocks * self.engine.num_groups,
             "preemptions": sum(r["num_preemptions"] for r in self.finished),
             "speculative": self.engine.speculative_summary(),
+            "compile": self.engine.compile_summary(),  # (the cost ledger above read the workers' reports)
             "experts": self.engine.balancer.summary() if self.engine.balancer is not None else None,
         }
 

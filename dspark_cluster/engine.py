@@ -508,6 +508,24 @@ class LLMEngine:
         self.speculation.wanted = bool(enabled)
         self.speculation.apply(self.schedulers)
 
+    def compile_summary(self) -> Optional[dict]:
+        """model.compile over the target's ranks, from their reports as last read (None: off): the buckets, the
+        warm-up's seconds (the slowest rank's) and graphs, and what was compiled or recorded after it (issue 27's
+        goal: nothing)."""
+        ranks = [d["compile"] for d in (self.meter.reports or ([], []))[0] if d.get("compile")]
+        if not ranks:
+            return None
+
+        def total(key):
+            values = [r.get(key) for r in ranks]
+            return None if any(v is None for v in values) else sum(values)
+
+        return {"ranks": len(ranks), "buckets": ranks[0]["compile_buckets"],
+                "warm_up_s": max(r["compile_warm_up_s"] for r in ranks), "warm_up_graphs": total("compile_warm_up_graphs"),
+                "compiled_steps": total("compile_steps"),
+                "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
+                "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up")}
+
     def speculative_summary(self) -> Optional[dict]:
         return self.speculation.summary() if self.speculation is not None else None
 

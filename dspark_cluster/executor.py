@@ -94,7 +94,8 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
                        "drafter_weights_reordered": report.get("drafter_reordered_bytes", 0),
                        "drafter_kv": report.get("drafter_kv_bytes", 0)},
             # that drafter's start-up profile: rows -> seconds of a drafting call (the verify planner's prior)
-            "drafter_profile": report.get("drafter_profile")}
+            "drafter_profile": report.get("drafter_profile"),
+            "compile": report.get("compile")}  # model.compile's stats on this rank (None: off)
 
 
 def resolve_for_executor(cfg: Config) -> Config:

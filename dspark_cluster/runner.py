@@ -52,6 +52,8 @@ def run_experiment(cfg: Config, progress: bool = True) -> dict:
     summary = summarize(raw["requests"], raw["steps"], raw["duration_s"], raw["kv_blocks_total"], raw["preemptions"])
     if raw.get("speculative"):
         summary["speculative"] = raw["speculative"]
+    if raw.get("compile"):
+        summary["compile"] = raw["compile"]
     experts = raw.get("experts")
     add_expert_summary(summary, experts, cfg.parallel.world_size)
     report = {"config": raw.get("config") or cfg.to_dict(), "summary": summary, "cost": raw["cost"],

@@ -519,3 +519,19 @@ def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatc
     assert torch.equal(loads, model.expert_load())  # the padding rows are not counted
     for with_padding, without in zip(slots_padded, slots_seen):  # no slot beyond the real rows' own
         assert set(with_padding.tolist()) == set(without.tolist())
+
+
+def test_a_compiled_run_reports_its_warm_up_and_nothing_compiled_after_it(tmp_path):
+    """`dspark run` with model.compile on: the report's summary says how many buckets, how long the warm-up took,
+    its graphs, and what was compiled after it (issue 27: nothing), and the printed table shows it."""
+    from dspark_cluster.report import format_summary
+    from dspark_cluster.runner import run_experiment
+
+    cfg = load_config(None, ["model.compile=on", "scheduler.max_num_seqs=4", "workload.num_requests=6",
+                             "workload.output_len=[8,24]", f"report.out_dir={tmp_path}", "report.name=compiled"])
+    report = run_experiment(cfg, progress=False)
+    comp = report["summary"]["compile"]
+    assert comp["ranks"] == 1 and comp["buckets"] == [1, 2, 4] and comp["warm_up_s"] > 0
+    assert comp["warm_up_graphs"] == 2 and comp["recompiles_after_warm_up"] == 0 and comp["compiled_steps"] > 5
+    assert comp["cuda_graphs_after_warm_up"] is None  # (CUDA only)
+    assert "model.compile" in format_summary(report["summary"]) and "after it 0 recompiles" in format_summary(report["summary"])
