@@ -521,7 +521,8 @@ class LLMEngine:
             return None if any(v is None for v in values) else sum(values)
 
         return {"ranks": len(ranks), "buckets": ranks[0]["compile_buckets"],
-                "warm_up_s": max(r["compile_warm_up_s"] for r in ranks), "warm_up_graphs": total("compile_warm_up_graphs"),
+                "warm_up_s": max(r["compile_warm_up_s"] for r in ranks),
+                "warm_up_graphs": total("compile_warm_up_graphs"),
                 "compiled_steps": total("compile_steps"),
                 "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
                 "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up")}

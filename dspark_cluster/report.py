@@ -134,7 +134,8 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
         cuda = comp.get("cuda_graphs_after_warm_up")
         rows.append(("model.compile", f"{len(comp['buckets'])} buckets, warm-up {_num(comp['warm_up_s'], 1, '.1f')} s "
                      f"({comp['warm_up_graphs']} graphs); after it {comp['recompiles_after_warm_up']} recompiles"
-                     + ("" if cuda is None else f", {cuda} CUDA graphs") + f", {comp['compiled_steps']} compiled steps"))
+                     + ("" if cuda is None else f", {cuda} CUDA graphs")
+                     + f", {comp['compiled_steps']} compiled steps"))
     spec = s.get("speculative")
     if spec:
         acc = " ".join(_num(a, 1, ".2f") for a in spec["acceptance_by_position"])

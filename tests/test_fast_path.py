@@ -482,7 +482,8 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
                                 (bf16, (10, 0), [attention]), (bf16, (8, 0), [attention, experts])):
         options = compiled.cuda_graph_options(m, capability, buckets)
         assert options == {"triton.cudagraphs": True, "graph_partition": True, "custom_should_partition_ops": want,
-                           "triton.cudagraph_dynamic_shape_warn_limit": len(buckets) + 1}, (m.lm_head.weight.dtype, capability)
+                           "triton.cudagraph_dynamic_shape_warn_limit": len(buckets) + 1}, \
+            (m.lm_head.weight.dtype, capability)
         torch.compile(m.forward, dynamic=False, options=options)  # inductor takes them (checked when made)
     assert torch._inductor.config.custom_should_partition_ops == before  # nothing process-wide
     monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
@@ -490,6 +491,18 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     for name in (attention, experts):  # the names are the registered ops'
         assert getattr(torch.ops.dspark, name.split("::")[1]).default.name() == name
     assert compiled._cuda_graphs([compiled._cuda_graph_manager(torch.device("cpu"))]) == 0  # counted on CUDA only
+
+
+def test_an_idle_group_reports_no_load_of_its_own():
+    """A data-parallel group with nothing scheduled reports zero expert and slot load, not its last step's again."""
+    from dspark_cluster.step_exec import _idle_step
+
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+    _decode_forward(model, 4, 32)()
+    assert all(int(m.last_slot_load.sum()) == 4 * model.spec.top_k for m in model.moe_layers)
+    out = _idle_step(model, "cpu")
+    assert out.slot_load.shape == (len(model.moe_layers), model.spec.num_experts) and int(out.slot_load.sum()) == 0
+    assert int(out.expert_load.sum()) == 0
 
 
 def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatch):
@@ -507,7 +520,8 @@ def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatc
                                      group_decodes=False)
     slots_seen = []
     run = layers.run_experts
-    monkeypatch.setattr(layers, "run_experts", lambda xs, slots, *a, **kw: (slots_seen.append(slots), run(xs, slots, *a, **kw))[1])
+    monkeypatch.setattr(layers, "run_experts",
+                        lambda xs, slots, *a, **kw: (slots_seen.append(slots), run(xs, slots, *a, **kw))[1])
     real = torch.arange(Bp) < B
     with torch.inference_mode():
         padded = model(ids, positions, meta, real=real)
@@ -534,4 +548,5 @@ def test_a_compiled_run_reports_its_warm_up_and_nothing_compiled_after_it(tmp_pa
     assert comp["ranks"] == 1 and comp["buckets"] == [1, 2, 4] and comp["warm_up_s"] > 0
     assert comp["warm_up_graphs"] == 2 and comp["recompiles_after_warm_up"] == 0 and comp["compiled_steps"] > 5
     assert comp["cuda_graphs_after_warm_up"] is None  # (CUDA only)
-    assert "model.compile" in format_summary(report["summary"]) and "after it 0 recompiles" in format_summary(report["summary"])
+    printed = format_summary(report["summary"])
+    assert "model.compile" in printed and "after it 0 recompiles" in printed

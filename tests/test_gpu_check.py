@@ -60,8 +60,8 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
         assert r["rel_err"] <= 1e-4 and r["token_share"] == 1.0 and r["first_divergence"] == [None] * 4, arch
 
     spec = checks["speculative"]["runs"]
-    assert {k.split("/")[2] for k in spec} >= {"draft_model_poor", "draft_model_self", "dspark_static", "dspark_two_passes",
-                                               "dspark_idle_compile_on"}
+    assert {k.split("/")[2] for k in spec} >= {"draft_model_poor", "draft_model_self", "dspark_static",
+                                               "dspark_two_passes", "dspark_idle_compile_on"}
     for name, r in spec.items():
         assert r["identical"] and r["num_draft_tokens"] > 0, name
     idle = spec["qwen3_moe/float32/dspark_idle_compile_on"]  # idle steps compiled, their states held, drafting resumed

@@ -137,7 +137,8 @@ class GraphLike:
     def __call__(self, ids, positions, meta, capture, real):
         hidden = self.forward(ids, positions, meta, capture, real)
         fresh = (hidden, self.model.captured)
-        held = self.out.setdefault((ids.numel(), capture), tuple(None if t is None else torch.empty_like(t) for t in fresh))
+        held = self.out.setdefault((ids.numel(), capture),
+                                   tuple(None if t is None else torch.empty_like(t) for t in fresh))
         for t, h in zip(fresh, held):
             if t is not None:
                 h.copy_(t)
