@@ -480,13 +480,14 @@ def idle_stretches(llm, pattern) -> None:
 
 def compile_faults(stats) -> list:
     """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up, skipped
-    CUDA graphs, a warm-up that did not compile one whole graph a bucket, no compiled step."""
+    CUDA graphs, a warm-up that did not compile the graphs expected (graph breaks, a batch size specialised, steps
+    left eager by dynamo's limits), no compiled step."""
     if stats is None:
         return ["no compiled runner"]
     bad = [k for k in ("compile_recompiles_after_warm_up", "compile_cuda_graphs_after_warm_up",
                        "compile_cuda_graph_skips") if stats.get(k)]
     if stats.get("compile_graphs_expected") not in (None, stats.get("compile_warm_up_graphs")):
-        bad.append("compile_warm_up_graphs")  # graph breaks, or steps left eager by dynamo's limits
+        bad.append("compile_warm_up_graphs")
     return bad + ([] if stats.get("compile_steps") else ["no compiled step"])
 
 
