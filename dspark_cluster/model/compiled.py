@@ -64,10 +64,15 @@ def resolve_compile(setting: str, device) -> bool:
     return setting == "on"
 
 
-def _graphs() -> int:
+def _counter(group: str, name: str) -> int:
+    """One of dynamo's / inductor's process-wide counters."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(counters[group][name])
+
+
+def _graphs() -> int:
+    return _counter("stats", "unique_graphs")
 
 
 def _cuda_graph_manager(device: torch.device):
@@ -98,12 +103,6 @@ def _cuda_graphs(managers) -> int:
             n += 1
             nodes.extend(c for children in node.children.values() for c in children)
     return n
-
-
-def _cuda_graph_skips() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def experts_in_cuda_graphs(w13: torch.Tensor, w2: torch.Tensor, capability: tuple) -> bool:
@@ -208,9 +207,9 @@ class CompiledDecode:
         """Compile every bucket with a step of padding rows only (the scratch block's KV), twice: on CUDA a
         graph's first run warms it up and its second records its CUDA graphs (one bucket at a time: a warm-up run
         between another graph's warm-up and recording would move its memory)."""
-        t0, graphs = time.perf_counter(), _graphs()
+        t0 = time.perf_counter()
         if self.device.type == "cuda":
-            self.cuda_graph_skips_before = _cuda_graph_skips()
+            self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
         block_size = self.model.attention_layers[0].kv_cache[0].shape[1]
         none = torch.zeros(0, dtype=torch.long)
         self.warm_up_graphs_by_bucket = []
@@ -226,16 +225,17 @@ class CompiledDecode:
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
-        self.warm_up_graphs = self.graphs_at_warm_up - graphs
+        self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
         if self.device.type == "cuda":
             self._note_cuda_graph_manager()
             self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
         log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
-        # a graph break cuts a step into several graphs, a limit leaves it eager (with tensor or expert parallelism
-        # the collectives are graph breaks by design)
-        if self.one_graph_a_step() and self.warm_up_graphs != self.graphs_expected():
+        # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
+        # design); fewer than expected are an earlier engine's of the same model in this process, reused (dynamo's
+        # limit, which would leave steps eager, covers every runner: graphs_asked)
+        if self.one_graph_a_step() and self.warm_up_graphs > self.graphs_expected():
             log.warning("model.compile: %d graphs for %d decode buckets x %d captures, where %d were expected (graph "
-                        "breaks or a batch size specialised: more compile time; dynamo's limits: steps partly eager)",
+                        "breaks or a batch size specialised: more compile time)",
                         self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
 
     def _note_cuda_graph_manager(self) -> None:
@@ -267,4 +267,4 @@ class CompiledDecode:
                 else _cuda_graphs(self.cuda_graph_managers.values()) - self.cuda_graphs_at_warm_up,
                 # graphs inductor left without CUDA graphs (it logs why), since this runner's warm-up began
                 "compile_cuda_graph_skips": None if self.cuda_graph_skips_before is None
-                else _cuda_graph_skips() - self.cuda_graph_skips_before}
+                else _counter("inductor", "cudagraph_skips") - self.cuda_graph_skips_before}
