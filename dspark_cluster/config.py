@@ -57,7 +57,7 @@ class ModelConfig(_Section):
     # fp8 checkpoints: auto = dequantize (each shard's slices, at load, to `dtype`) until a GPU run
     # shows that fp8 matmuls pay; fp8 (keep the weights in fp8) is refused until it exists
     weights: Literal["auto", "dequantize", "fp8"] = "auto"
-    # decode steps through torch.compile, padded to batch buckets (CUDA graphs on CUDA); auto: on
+    # steps through torch.compile, padded to token buckets (CUDA graphs on CUDA); auto: on
     # for CUDA, off on CPU (model/compiled.py says why)
     compile: Switch = "auto"
 

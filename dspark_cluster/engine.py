@@ -31,7 +31,7 @@ from .executor import make_executor, resolve_for_executor
 from .heap import freeze_heap, unfreeze_heap
 from .input_processor import InputProcessor, load_tokenizer
 from .kv_cache import BlockManager
-from .model.compiled import bucket_of, decode_buckets, resolve_compile
+from .model.compiled import bucket_of, compile_buckets, resolve_compile
 from .model.spec import ModelSpec, load_spec
 from .outputs import TokenEvent, TokenLogprob
 from .recovery import restart_workers
@@ -113,9 +113,9 @@ class LLMEngine:
         self.block_size = sc.block_size
         self.num_blocks = self.executor.num_blocks
         self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
-        # the batch sizes a compiled decode step is padded to on the workers (model.compile), or None
+        # the token counts a compiled step is padded to on the workers (model.compile), or None
         device = (self.executor.reports or [{}])[0].get("device", "cpu")
-        self.decode_buckets = decode_buckets(sc.max_num_seqs) if resolve_compile(cfg.model.compile, device) else None
+        self.compile_buckets = compile_buckets(cfg) if resolve_compile(cfg.model.compile, device) else None
         # one scheduler and KV pool per data-parallel group; each group runs its own batch, and the
         # groups meet in the expert-parallel all-to-all
         self.num_groups = cfg.parallel.data
@@ -327,10 +327,8 @@ class LLMEngine:
         capacity = 0
         if self.spec.is_moe and self.cfg.parallel.world_size > 1:
             tokens = [sum(s.num_new_tokens + s.num_draft for s in sc.scheduled) for sc in scheds]
-            if self.decode_buckets:  # a group's decode-only step runs compiled, padded to its bucket
-                tokens = [bucket_of(t, self.decode_buckets)
-                          if all(s.num_new_tokens == 1 and not s.num_draft for s in sc.scheduled) else t
-                          for t, sc in zip(tokens, scheds)]
+            if self.compile_buckets:  # a group's step within the buckets runs compiled, padded to its bucket
+                tokens = [bucket_of(t, self.compile_buckets) for t in tokens]
             capacity = expert_capacity(tokens, self.cfg.parallel.tensor, self.spec.top_k, self.cfg.parallel.world_size,
                                        self.spec.hidden_size * self.spec.dtype.itemsize)
         for g, sc in enumerate(scheds):

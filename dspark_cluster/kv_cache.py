@@ -149,14 +149,12 @@ def kv_bytes_per_block(model, block_size: int) -> int:
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, device) -> None:
     """Create the cache tensors and attach them to each attention layer (zeros so unused padded
-    slots never hold NaNs). One block more than the scheduler's: `model.scratch_block`, which no
-    sequence owns, takes the KV of the rows a compiled step pads its batch with."""
+    slots never hold NaNs)."""
     dtype = model.lm_head.weight.dtype
     for attn in model.attention_layers:
-        shapes = attn.cache_shape(num_blocks + 1, block_size)
+        shapes = attn.cache_shape(num_blocks, block_size)
         tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         attn.kv_cache = (tensors[0], tensors[1] if len(tensors) > 1 else None)
-    model.scratch_block = num_blocks
 
 
 # scheduler.kv_cache_memory: auto
@@ -199,4 +197,4 @@ def plan_num_blocks(model, block_size: int, kv_cache_memory, num_kv_blocks="auto
         return int(num_kv_blocks)
     device = torch.device(device)
     budget = kv_budget_bytes(kv_cache_memory, device.type, lambda: free_device_memory(device), sharing)
-    return max(1, budget // kv_bytes_per_block(model, block_size) - 1)  # the scratch block is in the budget too
+    return max(1, budget // kv_bytes_per_block(model, block_size))

@@ -122,7 +122,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
         if isinstance(sc.num_kv_blocks, int):
             num_blocks = sc.num_kv_blocks
         else:  # "auto": as kv_cache.plan_num_blocks
-            num_blocks = max(1, kv_budget_bytes(sc.kv_cache_memory, device_type, left, sharing) // per_block - 1)
+            num_blocks = max(1, kv_budget_bytes(sc.kv_cache_memory, device_type, left, sharing) // per_block)
         rows.append(
             {
                 "rank": rank,
@@ -139,13 +139,13 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                 "block_size": sc.block_size,
                 "kv_bytes_per_block": per_block,
                 "num_blocks": num_blocks,
-                "kv_pool_bytes": (num_blocks + 1) * per_block,  # and the scratch block (kv_cache.allocate_kv_cache)
+                "kv_pool_bytes": num_blocks * per_block,
                 "tokens_capacity": num_blocks * sc.block_size,
                 "context_len": ctx,
                 "seqs_at_context_len": num_blocks // blocks_per_seq,
                 "device_type": device_type,
                 "device_memory": total,
-                "headroom_bytes": total - held - (num_blocks + 1) * per_block,
+                "headroom_bytes": total - held - num_blocks * per_block,
             }
         )
     return rows

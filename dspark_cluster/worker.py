@@ -27,7 +27,7 @@ import torch
 from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
 from .heap import freeze_heap, unfreeze_heap
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
-from .model.compiled import CompiledDecode, resolve_compile
+from .model.compiled import CompiledSteps, compile_buckets, resolve_compile
 from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepOutput
@@ -53,6 +53,7 @@ class WorkerConfig:
     draft_model: str = ""
     num_draft_tokens: int = 0
     draft_passes: int = 1
+    compile_buckets: tuple = ()  # the token counts a compiled step pads to (model.compile; `compile_buckets`)
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
@@ -70,7 +71,7 @@ class WorkerConfig:
                    export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window,
                    draft_model=str(sp.draft_model) if sp.on_target else "",
                    num_draft_tokens=sp.num_tokens if sp.on_target else 0,
-                   draft_passes=passes)
+                   draft_passes=passes, compile_buckets=tuple(compile_buckets(cfg)))
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -116,7 +117,7 @@ class Worker:
         if cfg.hot_experts:
             self.model.set_study_router_bias(cfg.hot_experts, cfg.hot_bias)
         self.num_blocks = 0
-        self.compiled = None  # model.compile's decode runner, made with the KV pool
+        self.compiled = None  # model.compile's step runner, made with the KV pool
         self.migration, self.migration_version = None, None
         self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
         self._prev_sampled: Optional[torch.Tensor] = None
@@ -147,10 +148,10 @@ class Worker:
         allocate_kv_cache(self.model, num_blocks, block_size, self.device)
         self.num_blocks = num_blocks
         # the graphs read the cache: compiled after it. With expert parallelism the engine sizes the padded
-        # all-to-all from the bucket a decode step is padded to (LLMEngine.decode_buckets)
+        # all-to-all from the bucket a step is padded to (LLMEngine.compile_buckets)
         if resolve_compile(self.cfg.model.compile, self.device):
             captures = ((), tuple(self.cfg.export_layers)) if self.cfg.export_layers else ((),)
-            self.compiled = CompiledDecode(self.model, self.cfg.scheduler.max_num_seqs, self.device, captures)
+            self.compiled = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
             self.compiled.warm_up()
         freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)

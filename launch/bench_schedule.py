@@ -3,7 +3,7 @@
     python launch/bench_schedule.py [--drafters draft_model,dspark] [--batches 1,8,32,64]
         [--static 2,4,6] [--k 6] [--poisson 0.5,1.25] [--max-tokens 64] [--repeats 2] [--no-prefix-cache] [--out FILE]
         [--plot-dir DIR] [--calib-requests 512] [--calib-stream cycle|cut] [--calibration isotonic]
-        [--calib-compare sts,platt,platt_log_loss] [--draft-passes auto|1|2] [--serial N]
+        [--calib-compare sts,platt,platt_log_loss] [--draft-passes auto|1|2] [--serial N] [--compile auto|on|off]
 
 For each drafter (the bundled tiny-draft as `draft_model`, tiny-dspark as `dspark`), one engine per
 policy is started once and kept warm: plain decoding, `schedule: static` at each fixed k, and
@@ -56,7 +56,8 @@ DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark"}
 
 
 def config(args, method=None, k=0, schedule="static") -> dict:
-    cfg = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32"},
+    cfg = {"model": {"path": str(ASSETS_DIR / "tiny-moe"), "dtype": "float32",
+                     "compile": getattr(args, "compile", "auto")},
            "parallel": {"executor": "local", "threads_per_worker": args.threads},
            "scheduler": {"max_num_seqs": 64}}
     if args.no_prefix_cache:  # the loads repeat their prompts: plain decoding would skip their prefill
@@ -120,6 +121,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="model.compile of every engine")
     ap.add_argument("--draft-passes", default="auto", type=lambda v: v if v == "auto" else int(v),
                     choices=["auto", 1, 2], help="DSpark's speculative.draft_passes (auto: one on the CPU)")
     ap.add_argument("--no-prefix-cache", action="store_true",

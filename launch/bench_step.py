@@ -6,6 +6,7 @@ with model.compile off and on (where the tree has it), with the compile warm-up.
     python launch/bench_step.py [--model PATH] [--json OUT]
     python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype, torch's and oneDNN's
     python launch/bench_step.py --experts   # only: a MoE layer's experts by rows a slot, grouped matmul or by slot
+    python launch/bench_step.py --compiled  # only: model.compile's runner against eager, decode and verify steps
     python launch/ab.py --script-here --trees 10172c6,. --keys b1.forward_ms,b1.ops_per_layer \
         -- launch/bench_step.py --json {json}
 
@@ -66,7 +67,9 @@ def decode_forward(model, batch: int, context: int, block_size: int = 16, query:
     """A step of `batch` sequences at `context` tokens, each with `query` new tokens (1: decode; k + 1: a
     verify step of k drafts), the logits of every new token (a verify step samples them all)."""
     blocks = -(-context // block_size)
-    allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
+    cache = model.attention_layers[0].kv_cache
+    if cache is None or cache[0].shape[0] <= batch * blocks:  # (a larger one stays: the compiled steps' graphs read it)
+        allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
     tables = torch.arange(batch * blocks).view(batch, blocks)
     ids = torch.randint(0, model.spec.vocab_size, (batch * query,))
     q, ctx = torch.full((batch,), query), torch.full((batch,), context)
@@ -81,6 +84,47 @@ def decode_forward(model, batch: int, context: int, block_size: int = 16, query:
         build_metadata(q, ctx, tables, block_size)[1].to("cpu", torch.float32)
     run.metadata = metadata
     return run
+
+
+def compiled_forward(model, runner, batch: int, context: int, block_size: int = 16, query: int = 1):
+    """`decode_forward`'s step through model.compile's runner (`CompiledSteps`: padded to its token bucket, attention
+    eager between the graphs), with the logits of every new token."""
+    from types import SimpleNamespace
+
+    blocks = -(-context // block_size)
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    step = SimpleNamespace(input_ids=torch.randint(0, model.spec.vocab_size, (batch * query,)),
+                           query_lens=torch.full((batch,), query), context_lens=torch.full((batch,), context),
+                           block_tables=tables, block_size=block_size,
+                           num_draft=torch.full((batch,), query - 1) if query > 1 else None)
+
+    @torch.inference_mode()
+    def run():
+        return model.compute_logits(runner(step))
+    return run
+
+
+def compiled_rows(path: str, spec, steps: int) -> dict:
+    """Compiled against eager forwards of the same steps, one model (where the tree has `CompiledSteps`)."""
+    try:
+        from dspark_cluster.model.compiled import CompiledSteps, step_buckets
+    except ImportError:
+        return {}
+    model = load_model(path, spec)
+    allocate_kv_cache(model, 64 * 9 + 1, 16, torch.device("cpu"))
+    runner = CompiledSteps(model, step_buckets(512), "cpu")
+    runner.warm_up()
+    out = {}
+    for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7), (64, 7), (1, 128)):
+        key = f"b{batch}" if query == 1 else f"verify_b{batch}_q{query}" if query < 128 else \
+            f"prefill_b{batch}_q{query}"
+        n = steps if batch * query < 8 else steps // 4 if batch * query <= 64 else steps // 10
+        compiled = timed(compiled_forward(model, runner, batch, 128, query=query), n)
+        eager = timed(decode_forward(model, batch, 128, query=query), n)
+        out[key] = {"compiled_ms": compiled, "eager_ms": eager, "ratio": compiled / eager}
+        print(f"{key}: compiled {compiled:.3f} ms, eager {eager:.3f} ms ({compiled / eager:.3f}x)", flush=True)
+    out["stats"] = runner.stats()
+    return out
 
 
 def timed(fn, n: int) -> float:
@@ -179,6 +223,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--gemm", action="store_true", help="only one linear's time by rows and dtype")
     ap.add_argument("--experts", action="store_true", help="only a MoE layer's experts by rows a slot")
+    ap.add_argument("--compiled", action="store_true", help="only: compiled against eager forwards of the same steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -192,6 +237,12 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         return
     spec = load_spec(args.model, "float32")
+    if args.compiled:
+        res = compiled_rows(args.model, spec, args.steps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return
     res = {"layers": spec.num_layers}
     for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7), (8, 128), (1, 512)):
         model = load_model(args.model, spec)

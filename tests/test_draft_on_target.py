@@ -267,11 +267,14 @@ def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, pr
     assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == plain[:1] and sp.num_drafted > 0
 
 
-def test_compiled_decode_with_the_drafter_on_the_target_compiles_each_capture_at_warm_up(target, drafter, prompts, plain):
-    """model.compile on with a DSpark drafter beside the target: its decode steps capture the exported layers (a
-    guard of the compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph
-    for batch 1 and one for the larger buckets each) and serving compiles nothing more; greedy tokens equal plain
-    decoding's."""
+def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs(target, drafter, prompts, plain):
+    """model.compile on with a DSpark drafter beside the target: its steps capture the exported layers (a guard of the
+    compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph for one token
+    and one for the larger buckets each); the buckets reach a full batch's verify step, and drafting steps (rows of
+    1 + drafts tokens, cut to different lengths by the verify budget) replay the same graphs as decode steps:
+    serving compiles nothing more, and greedy tokens equal plain decoding's."""
+    from dspark_cluster.model.compiled import step_buckets
+
     cfg = target_config(drafter)
     cfg["model"] = {"compile": "on"}
     cfg["scheduler"]["max_num_seqs"] = 2
@@ -279,8 +282,9 @@ def test_compiled_decode_with_the_drafter_on_the_target_compiles_each_capture_at
     try:
         outs = [o.token_ids for o in llm.generate(prompts[:2], GREEDY)]
         stats = llm.engine.executor.worker.compiled.stats()
+        k = llm.engine.cfg.speculative.num_tokens
     finally:
         llm.shutdown()
     assert outs == plain[:2]
-    assert stats["compile_buckets"] == [1, 2] and stats["compile_warm_up_graphs"] == 4
-    assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_steps"] > 0
+    assert stats["compile_buckets"] == step_buckets(2 * (1 + k)) and stats["compile_warm_up_graphs"] == 4
+    assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_verify_steps"] > 0, stats

@@ -177,7 +177,8 @@ def _reference_logits(model, prompt):
 def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
     """The bundled model with model.compile on (buckets 1, 2, 3: max_num_seqs 3): greedy tokens
     equal eager's for batches that pad (3 -> 3, 1 -> 1, 2 sequences finishing at different
-    lengths), through block boundaries (context 5..40 with 4-token blocks), a step is one graph (no
+    lengths), through block boundaries (context 5..40 with 4-token blocks), and for a prompt step
+    within the buckets (2 tokens, compiled as a decode step is), a step is one graph (no
     graph break: session 26's oneDNN rule broke it at every linear, unseen), batch 1's and one for
     the larger buckets (no batch size specialised), and no graph is compiled after the warm-up."""
     from dspark_cluster import LLM, SamplingParams
@@ -191,17 +192,61 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
         try:
             outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
             outs[mode + "-one"] = llm.generate([prompts[0]], params[0])[0].token_ids
+            steps = llm.engine.executor.worker.compiled.steps if mode == "on" else 0
+            outs[mode + "-short"] = llm.generate([[4, 6]], params[1])[0].token_ids  # its prompt step compiled too
+            if mode == "on":
+                assert llm.engine.executor.worker.compiled.steps == steps + params[1].max_tokens
             if mode == "on":
                 stats = llm.engine.executor.worker.compiled.stats()
             else:
                 assert llm.engine.executor.worker.compiled is None
         finally:
             llm.shutdown()
-    assert outs["on"] == outs["off"] and outs["on-one"] == outs["off-one"]
+    assert outs["on"] == outs["off"] and outs["on-one"] == outs["off-one"] and outs["on-short"] == outs["off-short"]
     assert stats["compile_buckets"] == [1, 2, 3] and stats["compile_recompiles_after_warm_up"] == 0
     assert stats["compile_warm_up_graphs"] == stats["compile_graphs_expected"] == 2  # batch 1, and 2-3 (dynamic)
     assert stats["compile_warm_up_graphs_by_bucket"] == [1, 1, 0]
     assert stats["compile_steps"] > 30  # the decode steps ran compiled
+
+
+@pytest.mark.parametrize("arch", ["tiny-moe", "qwen3_moe"])
+def test_a_compiled_step_of_any_composition_computes_eagers_states_and_kv(arch, checkpoint):
+    """One step of prompt chunks, verify rows and decodes (several attention batches), padded to its token bucket:
+    the compiled runner's hidden states and exported layers are the eager forward's, the KV it writes is the
+    eager forward's and the padding rows write none; the step replays the graphs the warm-up compiled (MLA and
+    GQA)."""
+    from types import SimpleNamespace
+
+    from dspark_cluster.model.compiled import CompiledSteps
+
+    path = TINY_MOE if arch == "tiny-moe" else checkpoint(arch)
+    spec = load_spec(path, "float32")
+    eager, model = load_model(path, spec), load_model(path, spec)
+    for m in (eager, model):
+        allocate_kv_cache(m, 48, 4, torch.device("cpu"))
+    runner = CompiledSteps(model, [1, 2, 24], "cpu", captures=((), (1,)))
+    runner.warm_up()
+    q = torch.tensor([5, 4, 1, 1, 3, 1])  # a prompt chunk, a verify row, decodes, a later prompt chunk, a decode
+    ctx = torch.tensor([5, 20, 9, 31, 11, 2])
+    tables = torch.arange(6 * 8).view(6, 8)
+    torch.manual_seed(0)
+    step = SimpleNamespace(input_ids=torch.randint(0, spec.vocab_size, (int(q.sum()),)), query_lens=q,
+                           context_lens=ctx, block_tables=tables, block_size=4, num_draft=None)
+    with torch.inference_mode():
+        for m in (eager, model):  # the cached context of every row, the same in both
+            for layer in m.attention_layers:
+                for c in layer.kv_cache:
+                    if c is not None:
+                        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(1)))
+        positions, meta = build_metadata(q, ctx, tables, 4)
+        assert len(meta.batches) > 1
+        want = eager(step.input_ids, positions, meta, capture=(1,))
+        got = runner(step, capture=(1,))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.captured, eager.captured, atol=1e-4, rtol=1e-4)
+    for a, b in zip(model.attention_layers, eager.attention_layers):  # every slot, written or not, as eager's
+        torch.testing.assert_close(a.kv_cache[0], b.kv_cache[0], atol=1e-5, rtol=1e-5)
+    assert runner.stats()["compile_recompiles_after_warm_up"] == 0 and runner.steps == 1
 
 
 def test_compiled_decode_with_expert_parallelism_is_token_identical(ray_cluster):
@@ -440,28 +485,36 @@ def test_experts_slot_by_slot_on_onednn_give_the_grouped_matmuls_values():
         torch.testing.assert_close(layers.grouped_experts(xi, counts, w13i, w2i)[:n], ref[:n], rtol=1e-5, atol=1e-5)
 
 
-def test_decode_buckets_pad_by_few_rows_and_every_bucket_may_have_its_graph(monkeypatch):
-    """Decode buckets are vLLM's capture sizes (1, 2, 4, every 8 up to 256, every 16 past it): a step pads by fewer
-    than 8 rows (16 past 256). The batch is a dynamic dimension past 1, so they share a graph a capture; where a
-    batch size is specialised each bucket could need its own, in the same frame, per capture (a drafter's exported
-    layers are a second): dynamo's limit of graphs a frame (8 by default) is raised to fit them, else the largest
-    buckets would run eager, silently. (The limit only: the compile test above checks the graphs.)"""
-    from dspark_cluster.model.compiled import CompiledDecode, bucket_of, decode_buckets
+def test_step_buckets_pad_by_few_tokens_and_every_bucket_may_have_its_graph(monkeypatch):
+    """Buckets are vLLM's capture sizes (1, 2, 4, every 8 up to 256, every 16 past it): a step pads by fewer than 8
+    tokens (16 past 256), up to a full batch's verify step where the engine speculates. The token count is a dynamic
+    dimension past 1, so they share a graph a capture; where a size is specialised each bucket could need its own,
+    in the same frame, per capture (a drafter's exported layers are a second): dynamo's limit of graphs a frame (8
+    by default) is raised to fit them, else the largest buckets would run eager, silently. (The limit only: the
+    compile test above checks the graphs.)"""
+    from dspark_cluster.config import load_config
+    from dspark_cluster.model.compiled import CompiledSteps, bucket_of, compile_buckets, step_buckets
 
-    assert decode_buckets(3) == [1, 2, 3] and decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert decode_buckets(300)[-5:] == [248, 256, 272, 288, 300] and len(decode_buckets(256)) == 35
-    assert bucket_of(33, decode_buckets(64)) == 40 and bucket_of(257, decode_buckets(512)) == 272
-    assert all(bucket_of(n, decode_buckets(512)) - n < (8 if n <= 256 else 16) for n in range(1, 513))
+    assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=3"])) == [1, 2, 3]
+    draft = ["speculative.method=draft_model", "speculative.draft_model=tiny-draft", "speculative.num_tokens=4"]
+    assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=8", *draft]))[-1] == 40
+    assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=300",
+                                              *draft]))[-1] == 300
+
+    assert step_buckets(3) == [1, 2, 3] and step_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert step_buckets(300)[-5:] == [248, 256, 272, 288, 300] and len(step_buckets(256)) == 35
+    assert bucket_of(33, step_buckets(64)) == 40 and bucket_of(257, step_buckets(512)) == 272
+    assert all(bucket_of(n, step_buckets(512)) - n < (8 if n <= 256 else 16) for n in range(1, 513))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after
     spec = load_spec(TINY_MOE, "float32")
-    runner = CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2), ()))
+    runner = CompiledSteps(load_model(TINY_MOE, spec), step_buckets(256), "cpu", captures=((), (1, 2), ()))
     assert len(runner.buckets) == 35 and runner.captures == ((), (1, 2))
     assert runner.graphs_expected() == 4 and torch._dynamo.config.recompile_limit > 2 * len(runner.buckets)
     # a second engine in the same process: the first one's graphs stay in the frame's cache and count toward the
     # limit (gpu_check found a second engine's buckets left eager)
-    asked = CompiledDecode.graphs_asked
-    CompiledDecode(load_model(TINY_MOE, spec), 256, "cpu", captures=((), (1, 2)))
-    assert CompiledDecode.graphs_asked == asked + 70 and torch._dynamo.config.recompile_limit > asked + 70
+    asked = CompiledSteps.graphs_asked
+    CompiledSteps(load_model(TINY_MOE, spec), step_buckets(256), "cpu", captures=((), (1, 2)))
+    assert CompiledSteps.graphs_asked == asked + 70 and torch._dynamo.config.recompile_limit > asked + 70
 
 
 def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(monkeypatch):
@@ -476,8 +529,8 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     before = torch._inductor.config.custom_should_partition_ops
     model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
     bf16 = load_model(TINY_MOE, load_spec(TINY_MOE, "bfloat16"))
-    attention, experts = "dspark::decode_attention", "dspark::grouped_experts"
-    buckets = compiled.decode_buckets(64)
+    attention, experts = "dspark::step_attention", "dspark::grouped_experts"
+    buckets = compiled.step_buckets(64)
     for m, capability, want in ((model, (9, 0), [attention, experts]), (bf16, (9, 0), [attention]),
                                 (bf16, (10, 0), [attention]), (bf16, (8, 0), [attention, experts])):
         options = compiled.cuda_graph_options(m, capability, buckets)

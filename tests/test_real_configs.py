@@ -152,8 +152,8 @@ def test_shipped_topologies_build_on_meta_and_plan_memory_that_adds_up(name, hf_
         assert row["weight_bytes"] == r["weight_bytes"]
         left = memory - row["weight_bytes"]
         assert left > 0, f"{name}: rank {row['rank']}'s weights do not fit the device"
-        assert row["num_blocks"] == int(0.9 * left) // row["kv_bytes_per_block"] - 1  # and the scratch block
-        assert row["kv_pool_bytes"] == (row["num_blocks"] + 1) * row["kv_bytes_per_block"]
+        assert row["num_blocks"] == int(0.9 * left) // row["kv_bytes_per_block"]
+        assert row["kv_pool_bytes"] == row["num_blocks"] * row["kv_bytes_per_block"]
         assert row["weight_bytes"] + row["kv_pool_bytes"] + row["headroom_bytes"] == memory
         assert 0.09 * left <= row["headroom_bytes"] <= 0.1 * left + row["kv_bytes_per_block"]
     text = format_kv_plan(rows)
@@ -198,5 +198,5 @@ def test_kv_cache_memory_as_a_share_of_what_the_weights_leave(checkpoint, monkey
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: seen.append(str(device)) or 64 * 2**20)
     llm = LLM(checkpoint("qwen3_moe"), config={"scheduler": {"kv_cache_memory": 0.5, "block_size": 4}})
     per_block = kv_cache.kv_bytes_per_block(llm.engine.executor.model, 4)
-    assert seen == ["cpu"] and llm.engine.num_blocks == 32 * 2**20 // per_block - 1  # and the scratch block
+    assert seen == ["cpu"] and llm.engine.num_blocks == 32 * 2**20 // per_block
     assert llm.generate([[3, 4, 5]], __import__("dspark_cluster").SamplingParams(max_tokens=3))[0].token_ids

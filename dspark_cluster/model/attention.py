@@ -9,6 +9,8 @@ and longer queries are padded separately, each in groups of similar size (`pad_g
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -284,12 +286,8 @@ def paged_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, 
     as one batch returns [T, Hkv, G, Dv] (no reshape either way), any other [T, Hq, Dv].
     SDPA's fused CPU kernel needs equal key and value widths, hence values = keys for MLA.
     """
-    if torch.compiler.is_compiling():  # a compiled decode step: one opaque op (its key length varies per step)
-        # (one batch of decodes: build_metadata(..., group_decodes=False), as CompiledDecode makes it)
-        assert len(meta.batches) == 1 and meta.batches[0].max_q == 1, "a compiled step attends one batch of decodes"
-        b = meta.batches[0]
-        return torch.ops.dspark.decode_attention(q, k_new, v_new, k_cache, v_cache, meta.slot_mapping, b.blocks,
-                                                 b.attn_mask, scale)
+    if meta is None:  # a compiled step: one op opaque to the compiler, the metadata from `step_context`
+        return torch.ops.dspark.step_attention(q, k_new, v_new, k_cache, v_cache, scale)
     Dv = v_new.shape[-1]
     if q.dim() == 4 and not (len(meta.batches) == 1 and meta.batches[0].max_q == 1):
         q = q.flatten(1, 2)  # queries of several tokens: the [T, Hq, Dk] path below
@@ -347,18 +345,35 @@ def _attend(q, k_cache, v_cache, b: AttentionBatch, scale: float, Dv: int):
     return out if b.uniform else out.index_select(0, b.token_to_padded)
 
 
-def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: Optional[torch.Tensor], slot_mapping: torch.Tensor, blocks: torch.Tensor,
-                     attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """`paged_attention` of a decode-only step (one query per sequence, one batch) from tensors only:
-    what a compiled step calls, as one op whose output shape does not depend on the key length."""
-    B = q.shape[0]
-    b = AttentionBatch(rows=None, block_tables=blocks.view(B, -1), blocks=blocks, token_to_padded=blocks,
-                       padded_to_token=blocks, attn_mask=attn_mask, max_q=1, num_seqs=B)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, AttentionMetadata(slot_mapping, [b], B), scale)
-    return out.contiguous()
+_step = threading.local()  # the metadata of the compiled step running on this thread
 
 
-torch.library.custom_op("dspark::decode_attention", decode_attention, mutates_args=("k_cache", "v_cache")).register_fake(
-    lambda q, k_new, v_new, k_cache, v_cache, slot_mapping, blocks, attn_mask, scale:
-    q.new_empty(*q.shape[:-1], v_new.shape[-1]))
+@contextlib.contextmanager
+def step_context(meta: AttentionMetadata):
+    """Run a compiled step with this metadata (its real tokens'): `step_attention` reads it. The graphs take none
+    (as vLLM's forward context): what they see of a step is its padded token count only, so a step of any
+    composition (decodes, verify rows, prompt chunks) replays the graphs of its bucket, and the key length,
+    which changes every block_size tokens, never reaches them."""
+    _step.meta = meta
+    try:
+        yield
+    finally:
+        _step.meta = None
+
+
+def step_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """`paged_attention` of the compiled step in `step_context`, over its first meta.num_tokens rows (the real
+    tokens; the padding rows after them write no KV and attend nothing: zeros). q [Tp, H, Dk] -> [Tp, H, Dv]."""
+    meta = _step.meta
+    T = meta.num_tokens
+    if T == q.shape[0]:
+        return paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale).contiguous()
+    out = q.new_zeros(*q.shape[:-1], v_new.shape[-1])
+    if T:
+        out[:T] = paged_attention(q[:T], k_new[:T], v_new[:T], k_cache, v_cache, meta, scale)
+    return out
+
+
+torch.library.custom_op("dspark::step_attention", step_attention, mutates_args=("k_cache", "v_cache")).register_fake(
+    lambda q, k_new, v_new, k_cache, v_cache, scale: q.new_empty(*q.shape[:-1], v_new.shape[-1]))

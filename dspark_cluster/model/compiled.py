@@ -1,28 +1,29 @@
-"""`model.compile`: decode steps through `torch.compile`, padded to batch buckets.
+"""`model.compile`: steps through `torch.compile`, their token counts padded to buckets.
 
-A decode-only step (every sequence one new token) of B sequences is padded to the smallest bucket
->= B (vLLM's capture sizes: 1, 2, 4, then every 8 rows up to 256 and every 16 past it, up to
-`scheduler.max_num_seqs`); the padding rows are token 0 at position 0, their KV written to the
-cache's scratch block (no sequence owns it), their outputs dropped, their routing kept out of the
-expert-load statistics and on row 0's experts (`real`). Attention and the grouped expert matmul are
-opaque ops to the compiler (`dspark::decode_attention`, `dspark::grouped_experts`), so a step's key
-length is a dynamic dimension that never recompiles; everything between them (projections, norms,
-rope, routing, the residual stream) is one graph for batch 1 and one for every larger bucket (the
-batch a dynamic dimension: compiled once, as vLLM does, so fine buckets cost no compile time).
+A step of T new tokens (decodes, verify rows, short prompt chunks, any mix) is padded to the smallest
+bucket >= T (vLLM's capture sizes: 1, 2, 4, then every 8 up to 256 and every 16 past it, up to the most
+tokens a step of `scheduler.max_num_seqs` sequences verifying `speculative.num_tokens` drafts takes);
+longer steps (prompt chunks) run eager. The padding rows are token 0 at position 0: they write no KV,
+attend nothing, take row 0's experts (`real`: kept out of the expert-load statistics) and are dropped.
+Attention and the grouped expert matmul are opaque ops to the compiler (`dspark::step_attention`,
+`dspark::grouped_experts`); attention reads the step's metadata from `attention.step_context`, not from
+the graph's inputs (vLLM's forward context), so the graphs see a step's padded token count only:
+everything between those ops (projections, norms, rope, routing, the residual stream) is one graph for
+a step of one token and one for every larger bucket (the token count a dynamic dimension: compiled once,
+as vLLM does, so fine buckets cost no compile time), and a drafting step's verify rows replay the same
+graphs as a decode step.
 
 On CUDA the graphs are captured as CUDA graphs (`mode="reduce-overhead"`), piecewise as vLLM's:
-attention runs between the captured pieces (inductor's graph partition), because a CUDA graph has
-fixed shapes and the key length grows with the context (whole-step graphs would record a new graph
-per bucket every block_size tokens of context, while serving); so do the experts unless torch's
+attention runs between the captured pieces (inductor's graph partition), because its key length grows
+with the context and its layout changes with the step's composition; so do the experts unless torch's
 grouped matmul keeps their offsets on the device (the fallbacks read the counts on the host). A CUDA
-graph's outputs are overwritten by its next replay: what a step leaves for later (the exported
-layers' states, which the context stash holds across idle steps) is copied out. Prefill chunks,
-verify rows and mixed steps run eager (their token counts vary every step).
+graph's outputs are overwritten by its next replay: what a step leaves for later (the exported layers'
+states, which the context stash holds across idle steps) is copied out.
 
-    runner = CompiledDecode(model, max_num_seqs, device, captures)
+    runner = CompiledSteps(model, buckets, device, captures)
     runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds);
                                         on CUDA also records its CUDA graphs
-    runner.applies(step) -> bool        a decode-only step within the buckets
+    runner.applies(step) -> bool        a step of 1 to buckets[-1] tokens
     runner(step, capture) -> hidden [T, H]
     runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since (and CUDA
                                         graphs recorded, at warm-up and since)
@@ -38,25 +39,33 @@ import time
 import torch
 
 from . import layers
-from .attention import build_metadata
+from .attention import build_metadata, step_context
 
 log = logging.getLogger(__name__)
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """The batch sizes decode steps are padded to: 1, 2, 4, every 8 up to 256, every 16 past it, and max_num_seqs
-    (vLLM's capture sizes: a step pads by fewer than 8 rows, 16 past 256, where powers of 2 padded 33 rows to 64)."""
-    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs, 16)]
-    return sorted({b for b in sizes if b < max_num_seqs} | {max_num_seqs})
+def step_buckets(most: int) -> list[int]:
+    """The token counts steps are padded to, up to `most`: 1, 2, 4, every 8 up to 256, every 16 past it, and most
+    (vLLM's capture sizes: a step pads by fewer than 8 tokens, 16 past 256, where powers of 2 padded 33 to 64)."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, most, 16)]
+    return sorted({b for b in sizes if b < most} | {most})
+
+
+def compile_buckets(cfg) -> list[int]:
+    """The buckets of a config: up to a full batch's decode step, or its verify step where it speculates (each
+    sequence its token and num_tokens drafts), within max_num_batched_tokens."""
+    sc, spec = cfg.scheduler, cfg.speculative
+    per_seq = 1 + (spec.num_tokens if spec.enabled else 0)
+    return step_buckets(min(sc.max_num_batched_tokens, sc.max_num_seqs * per_seq))
 
 
 def bucket_of(n: int, buckets: list[int]) -> int:
-    """The bucket a decode step of n rows is padded to (0 rows: none; the step runs eager)."""
+    """The bucket a step of n tokens is padded to (n itself past the largest, or 0: the step runs eager)."""
     return buckets[bisect.bisect_left(buckets, n)] if 0 < n <= buckets[-1] else n
 
 
 def resolve_compile(setting: str, device) -> bool:
-    """model.compile -> on or off. auto: on for CUDA (graphs replay a decode step's thousands of
+    """model.compile -> on or off. auto: on for CUDA (graphs replay a step's thousands of
     launches); off on CPU, where compiled steps measured at par with eager (BENCHMARKS.md, issue 27)
     for seconds of warm-up."""
     if setting == "auto":
@@ -116,15 +125,16 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     """Inductor's options for this runner's CUDA graphs on a device of this compute capability (its own: an engine
     before it in the process, of another dtype, does not change them). The graphs are cut where attention runs (its
     key length varies) and where the experts run unless `experts_in_cuda_graphs`; one graph a bucket is expected,
-    not warned about. An older torch without graph partitions (< 2.9) records a whole-step graph per key length
-    instead, with a warning."""
-    options = {"triton.cudagraphs": True}  # what mode="reduce-overhead" sets
+    not warned about. An older torch without graph partitions (< 2.9) would capture attention inside a CUDA graph,
+    which its metadata from `step_context` cannot be: there the steps compile without CUDA graphs, with a
+    warning."""
     config = torch._inductor.config
     if not hasattr(config, "custom_should_partition_ops") or not hasattr(config, "graph_partition"):
-        log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: each decode bucket "
-                    "records a CUDA graph per key length while serving", torch.__version__)
-        return options
-    ops = ["dspark::decode_attention"]
+        log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: steps compile without "
+                    "CUDA graphs", torch.__version__)
+        return {}
+    options = {"triton.cudagraphs": True}  # what mode="reduce-overhead" sets
+    ops = ["dspark::step_attention"]
     moe = next(iter(model.moe_layers), None)
     if moe is not None and not experts_in_cuda_graphs(moe.w13, moe.w2, capability):
         ops.append("dspark::grouped_experts")
@@ -134,94 +144,88 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     return options
 
 
-class CompiledDecode:
+class CompiledSteps:
     graphs_asked = 0  # by every runner made in this process (dynamo's cache of model.forward holds them all)
 
-    def __init__(self, model, max_num_seqs: int, device, captures: tuple = ((),)):
-        """captures: the layer tuples steps will capture (`model.forward`'s capture: a guard, so a graph each):
-        () alone, or also the exported layers where a drafter reads them."""
+    def __init__(self, model, buckets: list, device, captures: tuple = ((),)):
+        """buckets: the token counts steps pad to (`compile_buckets`); captures: the layer tuples steps will capture
+        (`model.forward`'s capture: a guard, so a graph each): () alone, or also the exported layers where a drafter
+        reads them."""
         self.model, self.device = model, torch.device(device)
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = list(buckets)
         self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
         options = cuda_graph_options(model, torch.cuda.get_device_capability(self.device), self.buckets) \
             if self.device.type == "cuda" else None
-        # graphs of the same frame, a few a capture (at most one a bucket, where a batch size is specialised): past
+        # graphs of the same frame, a few a capture (at most one a bucket, where a token count is specialised): past
         # dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently. The graphs of earlier
         # engines in this process stay in the frame's cache and count too: the limit covers every runner made here
         # (an upper bound that only grows; dynamo's limit over all frames, accumulated_recompile_limit, stays)
-        CompiledDecode.graphs_asked += len(self.buckets) * len(self.captures)
+        CompiledSteps.graphs_asked += len(self.buckets) * len(self.captures)
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.graphs_asked + 1)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledSteps.graphs_asked + 1)
         self.fn = torch.compile(model.forward, dynamic=False, options=options)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
         # on CUDA: each thread's tree manager that ran a step, and the counts at the warm-up's end
         self.cuda_graph_managers, self.cuda_graphs_at_warm_up, self.cuda_graph_skips_before = {}, None, None
-        self.steps = 0
+        self.steps = self.verify_steps = 0  # steps run compiled, and of them those that verified drafts
 
     def applies(self, step) -> bool:
-        B = step.query_lens.numel()
-        return 0 < B <= self.buckets[-1] and bool((step.query_lens == 1).all())
+        return 0 < step.input_ids.numel() <= self.buckets[-1]
 
-    def _padded(self, input_ids, context_lens, block_tables, block_size, Bp=None):
-        """The step padded to its bucket (or to Bp rows): inputs, metadata and the real-row mask."""
-        B = input_ids.numel()
-        Bp = Bp or bucket_of(B, self.buckets)
-        ids = torch.zeros(Bp, dtype=torch.long)
-        ids[:B] = input_ids
-        ctx = torch.ones(Bp, dtype=torch.long)
-        ctx[:B] = context_lens
-        # at least two blocks a row: a dynamic length of 1 would be specialised (and recompiled)
-        tables = torch.full((Bp, max(2, block_tables.shape[1])), self.model.scratch_block, dtype=torch.long)
-        tables[:B, : block_tables.shape[1]] = block_tables
-        positions, meta = build_metadata(torch.ones(Bp, dtype=torch.long), ctx, tables, block_size, min_blocks=2,
-                                         group_decodes=False)
-        meta = meta.to(self.device, self.model.lm_head.weight.dtype)
-        b = meta.batches[0]
-        torch._dynamo.mark_dynamic(b.blocks, 0)  # the key length changes every block_size tokens
-        torch._dynamo.mark_dynamic(b.attn_mask, 3)
-        ids, positions = ids.to(self.device), positions.to(self.device)
-        real = torch.arange(Bp, device=self.device) < B
-        if Bp > 1:  # one graph for every bucket past 1 (a size of 1 is specialised): compiled once, replayed by size
-            for t in (ids, positions, real, meta.slot_mapping, b.attn_mask):
+    def _padded(self, input_ids, positions, T, Tp=None):
+        """The step's tokens padded to their bucket (or to Tp): ids, positions and the real-token mask."""
+        Tp = Tp or bucket_of(T, self.buckets)
+        ids = torch.zeros(Tp, dtype=torch.long)
+        ids[:T] = input_ids
+        pos = torch.zeros(Tp, dtype=torch.long)
+        pos[:T] = positions
+        ids, pos = ids.to(self.device), pos.to(self.device)
+        real = torch.arange(Tp, device=self.device) < T
+        if Tp > 1:  # one graph for every bucket past 1 (a size of 1 is specialised): compiled once, replayed by size
+            for t in (ids, pos, real):
                 torch._dynamo.mark_dynamic(t, 0)
-        return ids, positions, meta, real
+        return ids, pos, real
 
     @torch.inference_mode()
     def __call__(self, step, capture: tuple = ()):
         """The step's hidden states [T, hidden], the padding rows cut off (and off the captured rows)."""
-        B = step.input_ids.numel()
-        ids, positions, meta, real = self._padded(step.input_ids, step.context_lens, step.block_tables,
-                                                  step.block_size)
-        hidden = self.fn(ids, positions, meta, capture, real)
+        T = step.input_ids.numel()
+        positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
+        ids, positions, real = self._padded(step.input_ids, positions, T)
+        with step_context(meta.to(self.device, self.model.lm_head.weight.dtype)):
+            hidden = self.fn(ids, positions, None, capture, real)
         self.steps += 1
+        self.verify_steps += step.num_draft is not None and bool(step.num_draft.any())
         if self.device.type == "cuda" and threading.get_ident() not in self.cuda_graph_managers:
             self._note_cuda_graph_manager()
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
-            self.model.captured = self.model.captured[:B].clone()
-        return hidden[:B]
+            self.model.captured = self.model.captured[:T].clone()
+        return hidden[:T]
 
     @torch.inference_mode()  # as the steps run: inference tensors (the guards check their dispatch keys)
     def warm_up(self) -> None:
-        """Compile every bucket with a step of padding rows only (the scratch block's KV), twice: on CUDA a
-        graph's first run warms it up and its second records its CUDA graphs (one bucket at a time: a warm-up run
-        between another graph's warm-up and recording would move its memory)."""
+        """Compile every bucket with a step of padding rows only; on CUDA twice: a graph's first run warms it up and
+        its second records its CUDA graphs (one bucket at a time: a warm-up run between another graph's warm-up and
+        recording would move its memory). Elsewhere once: past the first two buckets a run compiles nothing (the
+        token count is dynamic), but a size specialised would show here (`compile_warm_up_graphs_by_bucket`)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
-        block_size = self.model.attention_layers[0].kv_cache[0].shape[1]
         none = torch.zeros(0, dtype=torch.long)
+        _, meta = build_metadata(none, none, torch.zeros(0, 1, dtype=torch.long), 1)
         self.warm_up_graphs_by_bucket = []
-        for i, Bp in enumerate(self.buckets):
+        for i, Tp in enumerate(self.buckets):
             t, before = time.perf_counter(), _graphs()
-            ids, positions, meta, real = self._padded(none, none, torch.zeros(0, 1, dtype=torch.long), block_size, Bp)
-            for capture in self.captures:
-                for _ in range(2):
-                    self.fn(ids, positions, meta, capture, real)
+            ids, positions, real = self._padded(none, none, 0, Tp)
+            with step_context(meta):
+                for capture in self.captures:
+                    for _ in range(2 if self.device.type == "cuda" else 1):
+                        self.fn(ids, positions, None, capture, real)
             self.model.captured = None  # (the padding rows' states: nobody reads them)
             self.warm_up_graphs_by_bucket.append(_graphs() - before)
-            log.info("model.compile: decode bucket %d (%d/%d) in %.1f s", Bp, i + 1, len(self.buckets),
+            log.info("model.compile: bucket of %d tokens (%d/%d) in %.1f s", Tp, i + 1, len(self.buckets),
                      time.perf_counter() - t)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
@@ -229,13 +233,13 @@ class CompiledDecode:
         if self.device.type == "cuda":
             self._note_cuda_graph_manager()
             self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
-        log.info("model.compile: %d decode buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
+        log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
         # design); fewer than expected are an earlier engine's of the same model in this process, reused (dynamo's
         # limit, which would leave steps eager, covers every runner: graphs_asked)
         if self.one_graph_a_step() and self.warm_up_graphs > self.graphs_expected():
-            log.warning("model.compile: %d graphs for %d decode buckets x %d captures, where %d were expected (graph "
-                        "breaks or a batch size specialised: more compile time)",
+            log.warning("model.compile: %d graphs for %d buckets x %d captures, where %d were expected (graph "
+                        "breaks or a token count specialised: more compile time)",
                         self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
 
     def _note_cuda_graph_manager(self) -> None:
@@ -244,7 +248,7 @@ class CompiledDecode:
         self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
 
     def graphs_expected(self):
-        """The graphs the warm-up compiles when each step is one whole graph: a capture's for batch 1 and for the
+        """The graphs the warm-up compiles when each step is one whole graph: a capture's for one token and for the
         larger buckets (None where a step has collectives, which cut it by design)."""
         return len(self.captures) * (1 + (self.buckets[-1] > 1)) if self.one_graph_a_step() else None
 
@@ -255,8 +259,8 @@ class CompiledDecode:
     def stats(self) -> dict:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
-                "compile_graphs": graphs, "compile_steps": self.steps,
-                # a capture's for batch 1 and for the larger buckets when each step is one whole graph (expected)
+                "compile_graphs": graphs, "compile_steps": self.steps, "compile_verify_steps": self.verify_steps,
+                # a capture's for one token and for the larger buckets when each step is one whole graph (expected)
                 "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
                 "compile_warm_up_graphs_by_bucket": self.warm_up_graphs_by_bucket,
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None

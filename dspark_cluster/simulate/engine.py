@@ -82,7 +82,7 @@ def rank_memory(cfg, shapes: ModelShapes, prec: Precision, dev: Device) -> dict:
         device_type = "cpu" if dev.name == "cpu" else "cuda"
         left = max(0, int(dev.memory_bytes - weights))
         budget = kv_budget_bytes(sc.kv_cache_memory, device_type, left, 1)
-        blocks = max(1, budget // per_block - 1)  # the scratch block is in the budget too
+        blocks = max(1, budget // per_block)
     return {"weight_bytes": int(weights), "kv_bytes_per_block": per_block, "num_blocks": int(blocks)}
 
 
