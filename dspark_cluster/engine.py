@@ -521,7 +521,7 @@ class LLMEngine:
         return {"ranks": len(ranks), "buckets": ranks[0]["compile_buckets"],
                 "warm_up_s": max(r["compile_warm_up_s"] for r in ranks),
                 "warm_up_graphs": total("compile_warm_up_graphs"),
-                "compiled_steps": total("compile_steps"),
+                "compiled_steps": total("compile_steps"), "compiled_verify_steps": total("compile_verify_steps"),
                 "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
                 "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up")}
 

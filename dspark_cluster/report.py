@@ -131,11 +131,12 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
         rows.append(("expert balancedness (window)", f"{_num(s['balancedness_mean'], 1, '.3f')}, {s.get('rebalances', 0)} rebalances"))
     comp = s.get("compile")
     if comp:
-        cuda = comp.get("cuda_graphs_after_warm_up")
+        cuda, verify = comp.get("cuda_graphs_after_warm_up"), comp.get("compiled_verify_steps")
         rows.append(("model.compile", f"{len(comp['buckets'])} buckets, warm-up {_num(comp['warm_up_s'], 1, '.1f')} s "
                      f"({comp['warm_up_graphs']} graphs); after it {comp['recompiles_after_warm_up']} recompiles"
                      + ("" if cuda is None else f", {cuda} CUDA graphs")
-                     + f", {comp['compiled_steps']} compiled steps"))
+                     + f", {comp['compiled_steps']} compiled steps"
+                     + (f" ({verify} verifying drafts)" if verify else "")))
     spec = s.get("speculative")
     if spec:
         acc = " ".join(_num(a, 1, ".2f") for a in spec["acceptance_by_position"])
