@@ -60,7 +60,7 @@ def main() -> None:
         rng = np.random.default_rng(B)
         ctx = torch.tensor(rng.integers(args.min_context, args.max_context + 1, B))
         nb = -(-int(ctx.max()) // bs)
-        allocate_kv_cache(model, B * nb + 1, bs, torch.device("cpu"))
+        allocate_kv_cache(model, B * nb, bs, torch.device("cpu"))
         tables = torch.arange(B * nb).view(B, nb)
         ids = torch.randint(0, spec.vocab_size, (B,))
         q = torch.ones(B, dtype=torch.long)

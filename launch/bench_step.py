@@ -68,8 +68,8 @@ def decode_forward(model, batch: int, context: int, block_size: int = 16, query:
     verify step of k drafts), the logits of every new token (a verify step samples them all)."""
     blocks = -(-context // block_size)
     cache = model.attention_layers[0].kv_cache
-    if cache is None or cache[0].shape[0] <= batch * blocks:  # (a larger one stays: the compiled steps' graphs read it)
-        allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
+    if cache is None or cache[0].shape[0] < batch * blocks:  # (a larger one stays: the compiled steps' graphs read it)
+        allocate_kv_cache(model, batch * blocks, block_size, torch.device("cpu"))
     tables = torch.arange(batch * blocks).view(batch, blocks)
     ids = torch.randint(0, model.spec.vocab_size, (batch * query,))
     q, ctx = torch.full((batch,), query), torch.full((batch,), context)
@@ -111,7 +111,7 @@ def compiled_rows(path: str, spec, steps: int) -> dict:
     except ImportError:
         return {}
     model = load_model(path, spec)
-    allocate_kv_cache(model, 64 * 9 + 1, 16, torch.device("cpu"))
+    allocate_kv_cache(model, 64 * 9, 16, torch.device("cpu"))
     runner = CompiledSteps(model, step_buckets(512), "cpu")
     runner.warm_up()
     out = {}

@@ -27,7 +27,7 @@ TINY_MOE = ASSETS_DIR / "tiny-moe"
 def _decode_forward(model, batch: int, context: int, block_size: int = 16):
     """One decode step's forward (metadata built outside, as the worker does) -> a callable."""
     blocks = -(-context // block_size)
-    allocate_kv_cache(model, batch * blocks + 1, block_size, torch.device("cpu"))
+    allocate_kv_cache(model, batch * blocks, block_size, torch.device("cpu"))
     tables = torch.arange(batch * blocks).view(batch, blocks)
     ids = torch.randint(0, model.spec.vocab_size, (batch,))
     positions, meta = build_metadata(torch.ones(batch, dtype=torch.long), torch.full((batch,), context), tables,
@@ -166,7 +166,7 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(long, t
 def _reference_logits(model, prompt):
     n = len(prompt)
     blocks = max(2, -(-n // 4))
-    allocate_kv_cache(model, blocks + 1, 4, torch.device("cpu"))
+    allocate_kv_cache(model, blocks, 4, torch.device("cpu"))
     positions, meta = build_metadata(torch.tensor([n]), torch.tensor([n]), torch.arange(blocks)[None], 4)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(prompt), positions, meta.to("cpu"))[-1:])[0]
@@ -247,6 +247,22 @@ def test_a_compiled_step_of_any_composition_computes_eagers_states_and_kv(arch, 
     for a, b in zip(model.attention_layers, eager.attention_layers):  # every slot, written or not, as eager's
         torch.testing.assert_close(a.kv_cache[0], b.kv_cache[0], atol=1e-5, rtol=1e-5)
     assert runner.stats()["compile_recompiles_after_warm_up"] == 0 and runner.steps == 1
+    # on CUDA a thread's first step records that thread's CUDA graphs first (graph trees are per thread; a Ray
+    # worker steps on its compiled graph's loop thread): the same pass here, without CUDA graphs
+    import threading
+
+    runner.records_cuda_graphs = True
+    outs = []
+    for _ in range(2):  # this thread: one pass
+        with torch.inference_mode():
+            outs.append(runner(step, capture=(1,)))
+    thread = threading.Thread(target=lambda: outs.append(runner(step, capture=(1,))))
+    thread.start()
+    thread.join()
+    assert len(outs) == 3 and len(runner.cuda_graph_managers) == 2 and runner.record_s > 0  # one pass a thread
+    for out in outs:  # (each step writes the same KV again)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert runner.stats()["compile_recompiles_after_warm_up"] == 0 and runner.steps == 4
 
 
 @pytest.mark.parametrize("parallel", [{"data": 2}, {"tensor": 2}], ids=["expert", "tensor"])
@@ -502,6 +518,7 @@ def test_step_buckets_pad_by_few_tokens_and_every_bucket_may_have_its_graph(monk
     assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=8", *draft]))[-1] == 40
     assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=300",
                                               *draft]))[-1] == 300
+    assert compile_buckets(load_config(None, ["scheduler.max_num_seqs=256", *draft]))[-1] == 512  # vLLM's largest
 
     assert step_buckets(3) == [1, 2, 3] and step_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert step_buckets(300)[-5:] == [248, 256, 272, 288, 300] and len(step_buckets(256)) == 35
@@ -561,9 +578,11 @@ def test_an_idle_group_reports_no_load_of_its_own():
 
 
 def test_padding_rows_of_a_compiled_step_reach_no_expert_of_their_own(monkeypatch):
-    """A compiled decode step pads its batch to a bucket; the padding rows' outputs are dropped, so they take row 0's
+    """A compiled step pads its tokens to a bucket; the padding rows' outputs are dropped, so they take row 0's
     experts: on a GPU an expert only they would route to would be read for nothing (DeepSeek-V3: up to top_k = 8
-    more experts a layer at a small batch). The real rows' outputs and load statistics are as without padding."""
+    more experts a layer at a small batch). The real rows' outputs and load statistics are as without padding. (The
+    MoE's rule, through the eager forward: here the padding rows attend as decodes of their own, where a compiled
+    step's attend nothing, `test_a_compiled_step_of_any_composition_computes_eagers_states_and_kv`.)"""
     from dspark_cluster.model import layers
 
     model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))

@@ -150,7 +150,7 @@ def test_one_step_mixing_decodes_and_prefill_chunks_matches_transformers(arch, s
 def test_decodes_of_different_contexts_attend_in_groups_and_match_transformers(arch, checkpoint, monkeypatch):
     """A decode step split into batches of similar context (here a rule that splits every distinct key span,
     so five sequences make five batches): every row's logits match the reference's and those of one padded
-    batch (`group_decodes=False`, a compiled step's layout); and the same decodes beside a prompt chunk (a mixed
+    batch (`group_decodes=False`); and the same decodes beside a prompt chunk (a mixed
     step: each decode batch's rows are its sequences' tokens among the chunk's)."""
     from dspark_cluster.model import attention
 

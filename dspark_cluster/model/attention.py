@@ -109,13 +109,12 @@ _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.flo
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                   min_blocks: int = 1, group_decodes: bool = True):
+                   group_decodes: bool = True):
     """Positions and attention layout for one step.
 
     query_lens [B]: new tokens per sequence; context_lens [B]: KV length after this step;
-    block_tables [B, max_blocks] long; min_blocks: the fewest blocks a batch's keys span (a compiled
-    step's dynamic key length must not be 1 block); group_decodes: decodes in groups of similar context
-    (`DECODE_PAD`), or False: one batch (a compiled step's layout). Returns (positions [T], AttentionMetadata).
+    block_tables [B, max_blocks] long; group_decodes: decodes in groups of similar context (`DECODE_PAD`), or
+    False: one batch (what the groups are measured against). Returns (positions [T], AttentionMetadata).
     Index arithmetic runs in numpy: these arrays are tiny, and a numpy op costs ~1 us against
     ~5-10 us for a torch op, which adds up over the ~30 of them per step.
     """
@@ -128,7 +127,7 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
         groups = decode_groups(np.arange(B), ctx, block_size, *DECODE_PAD) if group_decodes and B > 1 else []
         groups = groups if len(groups) > 1 else [None]  # None: one batch of every row in order
         batches = [_decode_batch(g if g is None else _tensor(g), ctx if g is None else ctx[g],
-                                 bt if g is None else bt[g], block_size, min_blocks) for g in groups]
+                                 bt if g is None else bt[g], block_size) for g in groups]
         return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
     seq_of_token = np.repeat(np.arange(B), q)  # [T]
     idx_in_seq = np.arange(T) - (np.cumsum(q) - q)[seq_of_token]
@@ -138,11 +137,11 @@ def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_t
     # decodes and longer queries apart, each in groups of similar size (decodes in one batch if asked)
     decodes = np.flatnonzero(decode)
     first_token = np.cumsum(q) - q  # a decode's one token
-    batches = [_decode_batch(_tensor(first_token[g]), ctx[g], bt[g], block_size, min_blocks) for g in
+    batches = [_decode_batch(_tensor(first_token[g]), ctx[g], bt[g], block_size) for g in
                (decode_groups(decodes, ctx, block_size, *DECODE_PAD) if group_decodes else [decodes] if len(decodes) else [])]
     for seqs in pad_groups(np.flatnonzero(~decode), q, ctx, block_size, PAD_SLACK, PAD_MIN_PAIRS):
         rows = _tensor(np.flatnonzero(np.isin(seq_of_token, seqs)))
-        batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size, min_blocks))
+        batches.append(_batch(rows, q[seqs], ctx[seqs], bt[seqs], block_size))
     return _tensor(positions), AttentionMetadata(_tensor(slot_mapping), batches, T)
 
 
@@ -223,10 +222,10 @@ def decode_groups(seqs: np.ndarray, ctx: np.ndarray, block_size: int, slack: flo
     return groups
 
 
-def _decode_batch(rows, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
+def _decode_batch(rows, ctx, bt, block_size) -> AttentionBatch:
     """`_batch` of decodes (one query each: no query padding), from numpy ctx [B], bt [B, blocks]."""
     B = ctx.shape[0]
-    bt = np.ascontiguousarray(bt[:, : max(min_blocks, -(-int(ctx.max()) // block_size))])
+    bt = np.ascontiguousarray(bt[:, : -(-int(ctx.max()) // block_size)])
     S = bt.shape[1] * block_size
     order = _tensor(np.arange(B))
     return AttentionBatch(
@@ -244,7 +243,7 @@ def _decode_batch(rows, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBa
     )
 
 
-def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
+def _batch(rows, q, ctx, bt, block_size) -> AttentionBatch:
     """One padded batch from numpy q [B], ctx [B], bt [B, blocks]."""
     B = q.shape[0]
     T = int(q.sum())
@@ -255,7 +254,7 @@ def _batch(rows, q, ctx, bt, block_size, min_blocks: int = 1) -> AttentionBatch:
     padded_to_token = np.full(B * max_q, T, dtype=np.int64)
     padded_to_token[token_to_padded] = np.arange(T)
     # only the blocks that hold context (tables can be longer: lookahead slots for drafts)
-    bt = np.ascontiguousarray(bt[:, : max(min_blocks, -(-int(ctx.max()) // block_size))])
+    bt = np.ascontiguousarray(bt[:, : -(-int(ctx.max()) // block_size)])
     S = bt.shape[1] * block_size
     q_pos = (ctx - q)[:, None] + np.arange(max_q)[None, :]  # [B, max_q]
     key_pos = np.arange(S)
@@ -354,18 +353,21 @@ def step_context(meta: AttentionMetadata):
     (as vLLM's forward context): what they see of a step is its padded token count only, so a step of any
     composition (decodes, verify rows, prompt chunks) replays the graphs of its bucket, and the key length,
     which changes every block_size tokens, never reaches them."""
-    _step.meta = meta
+    prev, _step.meta = getattr(_step, "meta", None), meta
     try:
         yield
     finally:
-        _step.meta = None
+        _step.meta = prev
 
 
 def step_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """`paged_attention` of the compiled step in `step_context`, over its first meta.num_tokens rows (the real
     tokens; the padding rows after them write no KV and attend nothing: zeros). q [Tp, H, Dk] -> [Tp, H, Dv]."""
-    meta = _step.meta
+    meta = getattr(_step, "meta", None)
+    if meta is None:
+        raise RuntimeError("dspark::step_attention ran outside attention.step_context: a compiled step's attention "
+                           "reads its metadata there (CompiledSteps sets it around each step)")
     T = meta.num_tokens
     if T == q.shape[0]:
         return paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale).contiguous()

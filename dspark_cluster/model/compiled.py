@@ -21,12 +21,13 @@ graph's outputs are overwritten by its next replay: what a step leaves for later
 states, which the context stash holds across idle steps) is copied out.
 
     runner = CompiledSteps(model, buckets, device, captures)
-    runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds);
-                                        on CUDA also records its CUDA graphs
+    runner.warm_up()                    compile every bucket now, for each capture (progress lines, seconds)
     runner.applies(step) -> bool        a step of 1 to buckets[-1] tokens
     runner(step, capture) -> hidden [T, H]
+                                        on CUDA a thread's first step records that thread's CUDA graphs of
+                                        every bucket first (inductor's graph trees are per thread)
     runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since (and CUDA
-                                        graphs recorded, at warm-up and since)
+                                        graphs recorded, before the first steps and since)
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def step_buckets(most: int) -> list[int]:
     return sorted({b for b in sizes if b < most} | {most})
 
 
+# The largest bucket at most (vLLM's largest capture size by default): past it a step's launches are a small share of
+# its time, and on CUDA every bucket's graphs hold memory the KV plan does not count
+MAX_BUCKET_TOKENS = 512
+
+
 def compile_buckets(cfg) -> list[int]:
     """The buckets of a config: up to a full batch's decode step, or its verify step where it speculates (each
-    sequence its token and num_tokens drafts), within max_num_batched_tokens."""
+    sequence its token and num_tokens drafts), within max_num_batched_tokens and MAX_BUCKET_TOKENS."""
     sc, spec = cfg.scheduler, cfg.speculative
     per_seq = 1 + (spec.num_tokens if spec.enabled else 0)
-    return step_buckets(min(sc.max_num_batched_tokens, sc.max_num_seqs * per_seq))
+    return step_buckets(min(sc.max_num_batched_tokens, sc.max_num_seqs * per_seq, MAX_BUCKET_TOKENS))
 
 
 def bucket_of(n: int, buckets: list[int]) -> int:
@@ -167,8 +173,11 @@ class CompiledSteps:
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
-        # on CUDA: each thread's tree manager that ran a step, and the counts at the warm-up's end
+        # CUDA graphs (on CUDA): each stepping thread's tree manager, the graphs they recorded before their first
+        # steps, and the seconds that took
+        self.records_cuda_graphs = self.device.type == "cuda"
         self.cuda_graph_managers, self.cuda_graphs_at_warm_up, self.cuda_graph_skips_before = {}, None, None
+        self.record_s = 0.0
         self.steps = self.verify_steps = 0  # steps run compiled, and of them those that verified drafts
 
     def applies(self, step) -> bool:
@@ -191,6 +200,8 @@ class CompiledSteps:
     @torch.inference_mode()
     def __call__(self, step, capture: tuple = ()):
         """The step's hidden states [T, hidden], the padding rows cut off (and off the captured rows)."""
+        if self.records_cuda_graphs and threading.get_ident() not in self.cuda_graph_managers:
+            self.record_cuda_graphs()  # the first step on this thread: its graphs first, before it serves
         T = step.input_ids.numel()
         positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
         ids, positions, real = self._padded(step.input_ids, positions, T)
@@ -198,41 +209,46 @@ class CompiledSteps:
             hidden = self.fn(ids, positions, None, capture, real)
         self.steps += 1
         self.verify_steps += step.num_draft is not None and bool(step.num_draft.any())
-        if self.device.type == "cuda" and threading.get_ident() not in self.cuda_graph_managers:
-            self._note_cuda_graph_manager()
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
             self.model.captured = self.model.captured[:T].clone()
         return hidden[:T]
 
-    @torch.inference_mode()  # as the steps run: inference tensors (the guards check their dispatch keys)
-    def warm_up(self) -> None:
-        """Compile every bucket with a step of padding rows only; on CUDA twice: a graph's first run warms it up and
-        its second records its CUDA graphs (one bucket at a time: a warm-up run between another graph's warm-up and
-        recording would move its memory). Elsewhere once: past the first two buckets a run compiles nothing (the
-        token count is dynamic), but a size specialised would show here (`compile_warm_up_graphs_by_bucket`)."""
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
+    def _run_buckets(self, runs: int, on_bucket=None) -> None:
+        """Every bucket and capture `runs` times with a step of padding rows only (one bucket at a time: on CUDA a
+        warm-up run between another graph's warm-up and recording would move its memory)."""
         none = torch.zeros(0, dtype=torch.long)
         _, meta = build_metadata(none, none, torch.zeros(0, 1, dtype=torch.long), 1)
-        self.warm_up_graphs_by_bucket = []
         for i, Tp in enumerate(self.buckets):
             t, before = time.perf_counter(), _graphs()
             ids, positions, real = self._padded(none, none, 0, Tp)
             with step_context(meta):
                 for capture in self.captures:
-                    for _ in range(2 if self.device.type == "cuda" else 1):
+                    for _ in range(runs):
                         self.fn(ids, positions, None, capture, real)
             self.model.captured = None  # (the padding rows' states: nobody reads them)
-            self.warm_up_graphs_by_bucket.append(_graphs() - before)
-            log.info("model.compile: bucket of %d tokens (%d/%d) in %.1f s", Tp, i + 1, len(self.buckets),
-                     time.perf_counter() - t)
+            if on_bucket is not None:
+                on_bucket(i, Tp, _graphs() - before, time.perf_counter() - t)
+
+    @torch.inference_mode()  # as the steps run: inference tensors (the guards check their dispatch keys)
+    def warm_up(self) -> None:
+        """Compile every bucket (one run each with a step of padding rows only: past the first two buckets a run
+        compiles nothing, the token count being dynamic, but a size specialised would show here,
+        `compile_warm_up_graphs_by_bucket`). CUDA graphs are recorded by the thread that steps
+        (`record_cuda_graphs`): inductor's graph trees are per thread, and a Ray worker's steps run on its compiled
+        graph's loop thread, not on the thread that warms it up; graphs recorded here would hold memory no step
+        replays."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
+        self.warm_up_graphs_by_bucket = []
+
+        def progress(i, Tp, graphs, seconds):
+            self.warm_up_graphs_by_bucket.append(graphs)
+            log.info("model.compile: bucket of %d tokens (%d/%d) in %.1f s", Tp, i + 1, len(self.buckets), seconds)
+        self._run_buckets(1, progress)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
-        if self.device.type == "cuda":
-            self._note_cuda_graph_manager()
-            self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
         # design); fewer than expected are an earlier engine's of the same model in this process, reused (dynamo's
@@ -242,10 +258,18 @@ class CompiledSteps:
                         "breaks or a token count specialised: more compile time)",
                         self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
 
-    def _note_cuda_graph_manager(self) -> None:
-        """Keep this thread's CUDA graph tree manager: a size first run on a thread records its graph there (the
-        in-process engine steps on its own thread, Ray's compiled graph on its loop's)."""
+    @torch.inference_mode()
+    def record_cuda_graphs(self) -> None:
+        """Record this thread's CUDA graphs of every bucket and capture: two runs each (a graph tree warms a size up
+        on its first run and records it on its second), before the thread's first step; the graphs recorded after
+        it (`compile_cuda_graphs_after_warm_up`) should stay none."""
+        t0 = time.perf_counter()
+        self._run_buckets(2)
         self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
+        self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
+        self.record_s += time.perf_counter() - t0
+        log.info("model.compile: CUDA graphs of %d buckets recorded on this thread in %.1f s", len(self.buckets),
+                 time.perf_counter() - t0)
 
     def graphs_expected(self):
         """The graphs the warm-up compiles when each step is one whole graph: a capture's for one token and for the
@@ -265,8 +289,9 @@ class CompiledSteps:
                 "compile_warm_up_graphs_by_bucket": self.warm_up_graphs_by_bucket,
                 "compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
                 else graphs - self.graphs_at_warm_up,
-                # on CUDA: the CUDA graphs the warm-up recorded (a piece of a step each), and any recorded since
-                "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up,
+                # on CUDA: the CUDA graphs each stepping thread recorded before its first step (a piece of a step each),
+                # and any recorded since, while serving
+                "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up, "compile_cuda_graph_record_s": self.record_s,
                 "compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
                 else _cuda_graphs(self.cuda_graph_managers.values()) - self.cuda_graphs_at_warm_up,
                 # graphs inductor left without CUDA graphs (it logs why), since this runner's warm-up began
