@@ -84,7 +84,9 @@ class ExpertParallelDispatch:
         return log2phy[experts, salt % count[experts]]
 
     @torch.compiler.disable  # collectives: eager between a compiled forward's graphs (as parallel/comm.py)
-    def __call__(self, moe, x, ids, weights):
+    def __call__(self, moe, x, ids, weights, real=None):
+        """real: [T] bool, the real tokens of a compiled step padded to its bucket (None: all); a padding token's
+        assignments travel as padding rows (no expert computes or counts them) and its routed output is zero."""
         st = self.state
         T, k = ids.shape
         chunk = -(-T // st.tp_size)
@@ -93,15 +95,22 @@ class ExpertParallelDispatch:
         slots = self._choose_slots(ids[lo:hi].flatten(), token_of)
         spr = self._placement.slots_per_rank
         dest = slots // spr
+        local_slot = slots % spr
+        pad = None if real is None else ~real[lo:hi].repeat_interleave(k)
+        if pad is not None:  # slot n_slots: the padding marker both layouts skip
+            local_slot = torch.where(pad, moe.w13.shape[0], local_slot)
         order = torch.argsort(dest, stable=True)
         send_counts_t = torch.bincount(dest, minlength=st.world_size)
         if self.capacity:
-            back_rows = self._padded(moe, x, token_of, slots % spr, order, dest, send_counts_t)
+            back_rows = self._padded(moe, x, token_of, local_slot, order, dest, send_counts_t)
         else:
-            back_rows = self._exact(moe, x, token_of, slots % spr, order, send_counts_t)
+            back_rows = self._exact(moe, x, token_of, local_slot, order, send_counts_t)
         w = weights[lo:hi].flatten()[order].to(back_rows.dtype)
+        rows = back_rows * w[:, None]
+        if pad is not None:  # (a padding row's output is unspecified: a where, not a product, keeps it out)
+            rows = torch.where(pad[order][:, None], 0, rows)
         part = torch.zeros(chunk, x.shape[1], dtype=x.dtype, device=x.device)
-        part.index_add_(0, token_of[order] - lo, back_rows * w[:, None])
+        part.index_add_(0, token_of[order] - lo, rows)
         if st.tp_size == 1:
             return _batch_dynamic(part[: hi - lo])
         parts = [torch.empty_like(part) for _ in range(st.tp_size)]

@@ -122,6 +122,22 @@ def _ep_rank(rank, world, port, path, prompts, q):
         out[name + "_syncs"] = dict(c.sync_sites)
         out[name + "_load"] = res.slot_load.numpy()
         out[name + "_by_slot"] = list(calls)
+    # a compiled step's layout (the forward with its metadata in the step context, not compiled): 3 padding tokens
+    # after the real ones, the padded all-to-all sized for them; they reach no expert and are not counted
+    from dspark_cluster.model.attention import step_context
+
+    pad = 3
+    T = int(lens.sum())
+    for m in worker.model.moe_layers:
+        m.dispatch.capacity = expert_capacity([sum(len(p) for p in ps) + pad for ps in prompts], 1, spec.top_k,
+                                              world, spec.hidden_size * 4)
+    positions, meta = build_metadata(lens, lens, tables, 4)
+    ids = torch.cat([torch.tensor([t for p in mine for t in p]), torch.zeros(pad, dtype=torch.long)])
+    real = torch.arange(T + pad) < T
+    with torch.inference_mode(), step_context(meta):
+        hidden = worker.model(ids, torch.cat([positions, torch.zeros(pad, dtype=torch.long)]), None, real=real)
+    out["padded_tokens"] = worker.model.compute_logits(hidden[torch.cumsum(lens, 0) - 1]).numpy()
+    out["padded_tokens_load"] = torch.stack([m.last_slot_load for m in worker.model.moe_layers]).numpy()
     q.put((rank, out))
     shutdown_parallel()
 
@@ -151,6 +167,8 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(long, t
         out = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in out.items()}
         torch.testing.assert_close(out["padded"], out["exact"], rtol=0, atol=1e-6)
         assert torch.equal(out["padded_load"], out["exact_load"])
+        torch.testing.assert_close(out["padded_tokens"], out["padded"], rtol=0, atol=1e-5)  # padding tokens: none of
+        assert torch.equal(out["padded_tokens_load"], out["padded_load"])  # their own, in the outputs or the load
         # the exact layout reads its split sizes back (once per MoE layer); the padded one never
         assert out["exact_syncs"] and not any("expert_parallel" in site for site in out["padded_syncs"])
         # long prompts: every MoE layer's experts ran slot by slot on the CPU, in both layouts

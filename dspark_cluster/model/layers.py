@@ -494,7 +494,7 @@ class MoE(nn.Module):
         real_rows = None if real is None else real.repeat_interleave(k)
         if self.dispatch is not None:
             self.last_load = count_ids(flat, self.spec.num_experts, real_rows)
-            routed = self.dispatch(self, x, ids, weights)
+            routed = self.dispatch(self, x, ids, weights, real)
         else:  # every expert is local: token t's k assignments are rows t*k .. t*k+k-1
             slots = flat if self.identity_slots else self.local_ids[flat]
             ys, self.last_slot_load = self.run_local(x.repeat_interleave(k, dim=0), slots, padding=False)
