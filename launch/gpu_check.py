@@ -479,6 +479,12 @@ def idle_stretches(llm, pattern) -> None:
     planner.verify_lengths = lambda raw, *a: (~np.isnan(raw)).sum(1)
 
 
+def compile_stats(llm):
+    """The in-process target worker's model.compile stats (None: compile off there)."""
+    compiled = llm.engine.executor.worker.compiled
+    return compiled.stats() if compiled is not None else None
+
+
 def compile_faults(stats) -> list:
     """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up, skipped
     CUDA graphs, a warm-up that compiled more graphs than expected (graph breaks, a batch size specialised; fewer
@@ -533,7 +539,7 @@ def check_speculative(args, tmp) -> dict:
                     outs = llm.generate(prompts, greedy)
                     if mode != "off":
                         worker = llm.engine.executor.worker
-                        compiled = worker.compiled.stats() if worker.compiled is not None else None
+                        compiled = compile_stats(llm)
                         flushes = worker.stash.flushes if worker.stash is not None else 0
                 drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
                 accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -876,9 +882,8 @@ def check_decode(args, tmp) -> dict:
                 res["batches" if mode == "off" else f"batches_compile_{mode}"][str(B)] = r
                 rows.append([f"{B} (compile {mode})", r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["roofline_ms"],
                              r["x_roofline"], r["active_experts_per_layer"], weight_read / 1e6, kv_read / 1e6])
-            compiled = getattr(ex.worker, "compiled", None)
             if mode != "off":
-                res[f"compile_{mode}"] = compiled.stats() if compiled is not None else None
+                res[f"compile_{mode}"] = compile_stats(llm)
                 res[f"compile_{mode}_faults"] = compile_faults(res[f"compile_{mode}"])
         finally:
             llm.shutdown()
@@ -901,8 +906,7 @@ def check_decode(args, tmp) -> dict:
             llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
             record.clear()
             llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-            compiled = getattr(llm.engine.executor, "worker", None)
-            compiled = compiled.compiled.stats() if compiled is not None and compiled.compiled is not None else None
+            compiled = compile_stats(llm)
         if torch.device(dev).type == "cuda":
             torch.cuda.empty_cache()
         times = [r["t1"] - r["t0"] for r in record if r["drafted"] and r["rows"] == 1]
