@@ -523,7 +523,13 @@ class LLMEngine:
                 "warm_up_graphs": total("compile_warm_up_graphs"),
                 "compiled_steps": total("compile_steps"), "compiled_verify_steps": total("compile_verify_steps"),
                 "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
-                "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up")}
+                "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up"),
+                # the drafter's rounds on the target's driver ranks (compiled_draft; absent: none there)
+                **({"draft_warm_up_s": max(r["draft_compile_warm_up_s"] for r in ranks if "draft_compile_rounds" in r),
+                    "draft_rounds": sum(r["draft_compile_rounds"] for r in ranks if "draft_compile_rounds" in r),
+                    "draft_recompiles_after_warm_up": sum(r["draft_compile_recompiles_after_warm_up"] for r in ranks
+                                                          if "draft_compile_rounds" in r)}
+                   if any("draft_compile_rounds" in r for r in ranks) else {})}
 
     def speculative_summary(self) -> Optional[dict]:
         return self.speculation.summary() if self.speculation is not None else None

@@ -117,6 +117,10 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
             drafter.ingest(context)
             context = None
     model.captured = None
+    # read before the drafter's round: on CUDA with model.compile the loads are outputs of the step's graphs, which
+    # the round's graphs (another compiled function on this thread's graph tree) may free or overwrite
+    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
+    expert_load, slot_load = model.expert_load().cpu(), torch.stack(slot).cpu() if slot else None
     drafted = {}
     if drafter is not None and step.propose_k is not None and sample_tokens and S:
         # the next step's drafts, from each row's sequence as this step left it
@@ -125,9 +129,7 @@ def _execute_step(model, step: StepInput, device, sample_tokens: bool, capture: 
         anchors = sampled.gather(1, (num_tokens - 1)[:, None]).squeeze(1)
         drafted = drafter.propose(step.propose_k, step.seq_ids[rows], lengths, anchors, step.temperature, step.top_k,
                                   step.top_p, step.seeds, step.positions_out + num_tokens)
-    slot = [m.last_slot_load for m in model.moe_layers if m.last_slot_load is not None]
-    return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=model.expert_load().cpu(),
-                      slot_load=torch.stack(slot).cpu() if slot else None,
+    return StepOutput(sampled=sampled, num_tokens=num_tokens, expert_load=expert_load, slot_load=slot_load,
                       logits=logits.cpu() if step.return_logits and logits is not None else None,
                       context=context, export_bytes=context.nbytes if context is not None else 0, **drafted,
                       **(dict(zip(("token_logprobs", "top_ids", "top_logprobs"), token_lp)) if token_lp else {}),

@@ -128,11 +128,14 @@ class Worker:
             self.stash = ContextStash(cfg.context_window)
         self.drafter = None  # placement target: the DSpark drafter beside this driver rank's shard
         if cfg.draft_model and self.tp_rank == 0:
+            from .speculative.compiled_draft import draft_buckets
             from .speculative.on_target import TargetDrafter
 
             self.drafter = TargetDrafter(cfg.draft_model, cfg.model.path, spec, self.device, cfg.num_draft_tokens,
                                          cfg.context_window, cfg.draft_passes,
-                                         (self.model.model.embed_tokens.weight, self.model.lm_head.weight))
+                                         (self.model.model.embed_tokens.weight, self.model.lm_head.weight),
+                                         draft_buckets(cfg.scheduler.max_num_seqs)
+                                         if resolve_compile(cfg.model.compile, self.device) else None)
 
     # -- KV --------------------------------------------------------------------------------------
 
@@ -215,7 +218,9 @@ class Worker:
             "reordered_weight_bytes": getattr(self.model, "reordered_bytes", 0),  # the CPU's oneDNN copies (gemm.py)
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
-            "compile": self.compiled.stats() if self.compiled is not None else None,
+            # the target's steps' and the drafter's rounds' (placement target), where model.compile is on
+            "compile": None if self.compiled is None else {
+                **self.compiled.stats(), **(self.drafter.compile_stats() if self.drafter is not None else {})},
             **(self.stash.report() if self.stash is not None else {}),
             **(self.drafter.memory_report() if self.drafter is not None else {}),
         }

@@ -2,7 +2,7 @@
 block passes (context rows ingested from random target states, so no target runs), one thread.
 
     python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--dtypes float32]
-        [--json OUT]
+        [--compile] [--json OUT]
     python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
         -- launch/bench_drafter.py --json {json}
 
@@ -10,7 +10,9 @@ Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bun
 --drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
 device's end). --dtypes: the target's model.dtype, which the drafter serves in (keys b<B>_p<P>[_<dtype>], no
 suffix for float32); ops_a_round: the tensor operations of a serving round (4 new context rows a sequence, then
-a proposal). `launch/bench_dspark.py` has
+a proposal). --compile: also the same proposals through a drafter whose greedy rounds are compiled
+(`speculative/compiled_draft.py`, model.compile on: CUDA graphs on CUDA), timed alternating with the eager one
+(keys ...compiled_ms, compiled_over_eager). `launch/bench_dspark.py` has
 the drafter's cost inside a serving engine at batch 1 (its c); this one isolates the proposal by batch.
 """
 
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--device", default="auto", help="auto: cuda where available, else cpu")
     ap.add_argument("--dtypes", default="float32", help="model.dtype: the drafter serves in the target's dtype")
+    ap.add_argument("--compile", action="store_true", help="also a compiled drafter's rounds (compiled_draft)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -71,6 +74,15 @@ def main() -> None:
     for passes, dtype in runs:
         spec = load_spec(args.target, dtype)  # the drafter serves in the target's dtype
         prop = DSparkProposer(args.drafter, args.target, spec, device=device, num_tokens=args.k, draft_passes=passes)
+        props = [prop]
+        if args.compile:
+            from dspark_cluster.speculative.compiled_draft import draft_buckets
+
+            t0 = time.perf_counter()
+            props.append(DSparkProposer(args.drafter, args.target, spec, device=device, num_tokens=args.k,
+                                        draft_passes=passes, compile_buckets=draft_buckets(max(
+                                            int(b) for b in args.batches.split(",")))))
+            print(f"compiled drafter: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         tag = f"_p{passes}" + ("" if dtype == "float32" else f"_{dtype}")
         g = torch.Generator().manual_seed(0)
         for B in (int(b) for b in args.batches.split(",")):
@@ -78,21 +90,32 @@ def main() -> None:
             for i in range(B):
                 sid, n = 1000 * B + i, int(torch.randint(40, 400, (1,), generator=g))
                 rows = torch.randn(n, prop.model.fc.in_features, generator=g).to(device)
-                prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), rows))
+                for p in props:
+                    p.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), rows))
                 reqs.append(DraftRequest(sid, torch.randint(2, spec.vocab_size, (n + 1,), generator=g).tolist(), args.k))
             sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
             for _ in range(5):
-                prop.draft(reqs)
-            ts = []
-            for _ in range(args.iters):
-                sync()
-                t = time.perf_counter()
-                prop.draft(reqs)
-                sync()
-                ts.append(time.perf_counter() - t)
-            res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts) * 1e3, "ops_a_round": ops_a_round(prop, reqs, g)}
-            ms, ops = res[f"b{B}{tag}"]["draft_ms"], res[f"b{B}{tag}"]["ops_a_round"]
-            print(f"batch {B}, {passes} pass(es), {dtype}: {ms:.3f} ms a proposal; {ops} ops a round", flush=True)
+                for p in props:
+                    p.draft(reqs)
+            ts = [[] for _ in props]
+            for _ in range(args.iters):  # (alternating: the machine's drift falls on both alike)
+                for p, times in zip(props, ts):
+                    sync()
+                    t = time.perf_counter()
+                    p.draft(reqs)
+                    sync()
+                    times.append(time.perf_counter() - t)
+            r = res[f"b{B}{tag}"] = {"draft_ms": statistics.median(ts[0]) * 1e3}
+            if args.compile:
+                r["compiled_ms"] = statistics.median(ts[1]) * 1e3
+                r["compiled_over_eager"] = r["compiled_ms"] / r["draft_ms"]
+                r["compile"] = props[1].compiled.stats()
+            r["ops_a_round"] = ops_a_round(prop, reqs, g)  # (last: it ingests rows into the eager drafter only)
+            ms, ops = r["draft_ms"], r["ops_a_round"]
+            print(f"batch {B}, {passes} pass(es), {dtype}: {ms:.3f} ms a proposal; {ops} ops a round"
+                  + (f"; compiled {r['compiled_ms']:.3f} ms ({r['compiled_over_eager']:.2f}x), "
+                     f"{r['compile']['draft_compile_recompiles_after_warm_up']} recompiles" if args.compile else ""),
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -480,9 +480,12 @@ def idle_stretches(llm, pattern) -> None:
 
 
 def compile_stats(llm):
-    """The in-process target worker's model.compile stats (None: compile off there)."""
-    compiled = llm.engine.executor.worker.compiled
-    return compiled.stats() if compiled is not None else None
+    """The in-process target worker's model.compile stats, with its drafter's compiled rounds' where a DSpark
+    drafter runs beside it (None: compile off there)."""
+    worker = llm.engine.executor.worker
+    if worker.compiled is None:
+        return None
+    return {**worker.compiled.stats(), **(worker.drafter.compile_stats() if worker.drafter is not None else {})}
 
 
 def compile_faults(stats) -> list:
@@ -492,7 +495,8 @@ def compile_faults(stats) -> list:
     if stats is None:
         return ["no compiled runner"]
     bad = [k for k in ("compile_recompiles_after_warm_up", "compile_cuda_graphs_after_warm_up",
-                       "compile_cuda_graph_skips") if stats.get(k)]
+                       "compile_cuda_graph_skips", "draft_compile_recompiles_after_warm_up",
+                       "draft_compile_cuda_graphs_after_warm_up") if stats.get(k)]
     expected = stats.get("compile_graphs_expected")
     if expected is not None and stats["compile_warm_up_graphs"] > expected:
         bad.append("compile_warm_up_graphs")
@@ -895,9 +899,9 @@ def check_decode(args, tmp) -> dict:
     def verify_cost(mode):
         """Batch 1 with DSpark drafting every step (static schedule, k = 3, a random drafter): the executor's time of a
         drafting step (the verify forward of 4 tokens, compiled where compile is on: the 4-token bucket's graphs,
-        which decode steps of 4 rows replay too; with the drafter on the target, its round too) against the same
-        mode's decode step. On a GPU with compile on: what a drafting step costs beside a CUDA-graph decode step
-        (the drafter's round runs eager)."""
+        which decode steps of 4 rows replay too; with the drafter on the target, its round too, compiled where
+        compile is on: `compiled_draft`) against the same mode's decode step. On a GPU with compile on: what a
+        drafting step costs beside a CUDA-graph decode step, every part of it in CUDA graphs but attention."""
         draft = build_dspark(path, os.path.join(tmp, f"dspark-{mode}"), layers=(0, 1))
         with make_llm(path, args.dtype, dev, scheduler=sched, speculative=spec_cfg("dspark", draft, 3),
                       compile_mode=mode) as llm:
@@ -917,7 +921,9 @@ def check_decode(args, tmp) -> dict:
                                          "verify_over_decode": verify_ms / decode_ms, "verify_steps": len(times),
                                          "compile": compiled, "compile_faults": [] if mode == "off" else
                                          compile_faults(compiled) + ([] if (compiled or {}).get(
-                                             "compile_verify_steps") else ["no verify step compiled"])}
+                                             "compile_verify_steps") else ["no verify step compiled"]) + (
+                                             [] if (compiled or {}).get("draft_compile_rounds") else
+                                             ["no drafter round compiled"])}
         return [mode, verify_ms, decode_ms, verify_ms / decode_ms, len(times)]
 
     rows, verify_rows = [], []

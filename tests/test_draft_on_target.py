@@ -272,8 +272,11 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph for one token
     and one for the larger buckets each); the buckets reach a full batch's verify step, and drafting steps (rows of
     1 + drafts tokens, cut to different lengths by the verify budget) replay the same graphs as decode steps:
-    serving compiles nothing more, and greedy tokens equal plain decoding's."""
+    serving compiles nothing more, and greedy tokens equal plain decoding's. The drafter's greedy rounds run
+    compiled too (`compiled_draft`: batch buckets up to max_num_seqs), with no recompile while serving; the run's
+    compile summary and report say so."""
     from dspark_cluster.model.compiled import step_buckets
+    from dspark_cluster.report import format_summary
 
     cfg = target_config(drafter)
     cfg["model"] = {"compile": "on"}
@@ -281,10 +284,105 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     llm = LLM(target, config=cfg)
     try:
         outs = [o.token_ids for o in llm.generate(prompts[:2], GREEDY)]
-        stats = llm.engine.executor.worker.compiled.stats()
+        stats = llm.engine.executor.worker.memory_report()["compile"]
         k = llm.engine.cfg.speculative.num_tokens
+        llm.engine.device_reports()  # (what the summary reads)
+        summary = llm.engine.compile_summary()
     finally:
         llm.shutdown()
     assert outs == plain[:2]
     assert stats["compile_buckets"] == step_buckets(2 * (1 + k)) and stats["compile_warm_up_graphs"] == 4
     assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_verify_steps"] > 0, stats
+    assert stats["draft_compile_buckets"] == [1, 2] and stats["draft_compile_rounds"] > 0
+    assert stats["draft_compile_warm_up_graphs"] == 2 and stats["draft_compile_recompiles_after_warm_up"] == 0, stats
+    assert summary["draft_rounds"] == stats["draft_compile_rounds"] and summary["draft_recompiles_after_warm_up"] == 0
+    assert "model.compile, the drafter" in format_summary({"compile": summary})
+
+
+def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_path):
+    """The drafter's greedy round through `compiled_draft` (two block passes, a gated Markov head, a confidence head):
+    drafts equal the eager round's and confidences to the compiler's rounding, at one row (the context read as views
+    of the sequence's store) and three (a padded context with its mask, padded to the 4-row bucket), each row keeping
+    its own k, as the contexts grow across block boundaries and after a drafter version switch (the Markov factors
+    made again in place): two graphs, nothing compiled after the warm-up. A sampled row, or more rows than the
+    largest bucket, drafts eager. The CUDA-graph recording pass (forced here; on CUDA each drafting thread's first
+    round) runs on each thread that drafts."""
+    import threading
+
+    import torch
+
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+
+    from conftest import build_dspark
+
+    path = build_dspark(target, tmp_path / "d2", layers=(0, 1), block_size=5, markov_gate=True, draft_passes=2)
+    spec = load_spec(target, "float32")
+    # (calibrate: each sequence's rows kept, which a version switch recomputes the context from)
+    make = lambda buckets: DSparkProposer(path, target, spec, "cpu", num_tokens=4, draft_passes=2,  # noqa: E731
+                                          calibrate=True, compile_buckets=buckets)
+    compiled, eager = make([1, 2, 4]), make(None)
+    runner = compiled.compiled
+    assert runner is not None and runner.stats()["draft_compile_warm_up_graphs"] == 2  # one row; the larger buckets
+    runner.records_cuda_graphs = True  # (CUDA's pass, forced: on the CPU it records nothing, and runs every bucket)
+    g = torch.Generator().manual_seed(5)
+    width = eager.model.fc.in_features
+    tokens = {}
+
+    def grow(sid, n):  # n more committed rows (and tokens) for sequence sid, to both proposers
+        start = len(tokens.get(sid, []))
+        rows = torch.randn(n, width, generator=g)
+        tokens[sid] = tokens.get(sid, []) + torch.randint(2, spec.vocab_size, (n,), generator=g).tolist()
+        for p in (compiled, eager):
+            p.ingest(ContextRows(torch.tensor([sid]), torch.tensor([start]), torch.tensor([n]), rows))
+
+    def requests(sids, temperature=0.0):
+        return [DraftRequest(s, tokens[s] + [3], 4 - s % 2, temperature) for s in sids]
+
+    def same(reqs):
+        (_, (t_c, c_c, law)), (_, (t_e, c_e, _)) = compiled.draft(reqs), eager.draft(reqs)
+        assert law is None and t_c.shape == t_e.shape == (len(reqs), max(r.k for r in reqs))
+        assert torch.equal(t_c, t_e) and torch.allclose(c_c, c_e, atol=1e-5), (t_c, t_e, c_c, c_e)
+
+    for sid, n in ((0, 9), (1, 14), (2, 3)):
+        grow(sid, n)
+    rounds = []
+    for step in range(6):
+        same(requests([0]))
+        same(requests([0, 1, 2]))
+        rounds.append(runner.rounds)
+        for sid in (0, 1, 2):
+            grow(sid, 1 + step % 3)
+    assert rounds[-1] == 12
+    factors = compiled.model.markov_factors()
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in eager.model.state_dict().items()}
+    for p in (compiled, eager):
+        p.stage(1, new, keep=[])
+        p.use(1)
+    same(requests([1, 2]))
+    assert all(a is b for a, b in zip(factors, compiled.model.markov_factors()))  # made again in place
+    errors = []
+
+    def other_thread():
+        try:
+            same(requests([2]))
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    before = runner.rounds
+    grow(3, 5)
+    grow(4, 5)
+    same(requests([0, 1, 2, 3, 4]))  # 5 rows: past the largest bucket
+    _, (_, _, law) = compiled.draft(requests([0], temperature=0.8))
+    assert law is not None and runner.rounds == before  # the 5-row and the sampled rounds ran eager
+    same(requests([0, 1]))
+    assert runner.rounds == before + 1
+    stats = runner.stats()
+    assert stats["draft_compile_recompiles_after_warm_up"] == 0 and stats["draft_compile_warm_up_graphs"] == 2, stats
+    assert len(runner.cuda_graph_managers) == 2  # the recording pass ran on both drafting threads

@@ -580,7 +580,19 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [attention, experts]
     for name in (attention, experts):  # the names are the registered ops'
         assert getattr(torch.ops.dspark, name.split("::")[1]).default.name() == name
-    assert compiled._cuda_graphs([compiled._cuda_graph_manager(torch.device("cpu"))]) == 0  # counted on CUDA only
+    assert compiled._cuda_graph_manager(torch.device("cpu")) is None and \
+        compiled._cuda_graphs({0: None}, {0: {1}}) == 0  # counted on CUDA only
+    # a thread's tree manager holds every runner's graphs (the target's steps, a drafter's rounds): each counts the
+    # nodes of its own functions (a manager's roots and their children, as inductor's trees hold them)
+    from types import SimpleNamespace as NS
+
+    def node(fid, *children):
+        return NS(wrapped_function=NS(id=fid), children={c.wrapped_function.id: [c] for c in children})
+
+    manager = NS(get_roots=lambda: iter([node("a1", node("a2", node("d1")), node("d2")), node("d1")]))
+    managers = {7: manager, 8: None}
+    assert compiled._cuda_graphs(managers, {7: {"a1", "a2"}}) == 2
+    assert compiled._cuda_graphs(managers, {7: {"d1", "d2"}, 8: {"a1"}}) == 3
 
 
 def test_an_idle_group_reports_no_load_of_its_own():

@@ -91,6 +91,8 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
     for mode in ("off", "on"):  # a drafting step's time beside the decode step's
         v = dec[f"verify_compile_{mode}"]
         assert v["verify_steps"] >= 2 and v["verify_forward_ms"] > 0 and v["verify_over_decode"] > 0, v
+    on = dec["verify_compile_on"]  # the drafter's rounds compiled beside the target's steps
+    assert on["compile_faults"] == [] and on["compile"]["draft_compile_rounds"] > 0, on
     # a second engine's graphs in the same process (the speculative check's came first): none left eager
     assert dec["compile_on"]["compile_warm_up_graphs"] == dec["compile_on"]["compile_graphs_expected"] == 2
 

@@ -105,19 +105,46 @@ def _cuda_graph_manager(device: torch.device):
         return None
 
 
-def _cuda_graphs(managers) -> int:
-    """CUDA graphs these tree managers have recorded (the nodes of their trees)."""
+def _function_ids(device: torch.device) -> set:
+    """The compiled functions (ids) this thread's CUDA graph tree manager holds (none off CUDA, before any graph)."""
+    manager = _cuda_graph_manager(device)
+    return set(getattr(manager, "ids_to_funcs", None) or ()) if manager is not None else set()
+
+
+def note_functions(functions: dict, device: torch.device, before: set) -> None:
+    """After a pass of a runner's graphs on this thread (its warm-up or its recording pass, which run every one of its
+    graphs): the functions the pass registered with the thread's tree manager, beyond `before`, are the runner's
+    (functions: thread id -> ids). The target's steps and a drafter's rounds share each thread's manager: each counts
+    its own graphs."""
+    tid = threading.get_ident()
+    functions[tid] = functions.get(tid, set()) | (_function_ids(device) - before)
+
+
+def _cuda_graphs(managers: dict, functions: dict) -> int:
+    """CUDA graphs recorded in these threads' tree managers (thread id -> manager) by the functions noted for each
+    thread (`note_functions`): the nodes of their trees that run one of those."""
     n = 0
-    for manager in {id(m): m for m in managers if m is not None}.values():
+    for tid, manager in managers.items():
+        mine = functions.get(tid, set())
         try:
             nodes = list(manager.get_roots())
         except (AttributeError, TypeError):
             continue
         while nodes:
             node = nodes.pop()
-            n += 1
+            n += getattr(getattr(node, "wrapped_function", None), "id", None) in mine
             nodes.extend(c for children in node.children.values() for c in children)
     return n
+
+
+def allow_cuda_graph_sizes(n: int) -> None:
+    """Inductor warns when one graph records CUDA graphs of more than `cudagraph_dynamic_shape_warn_limit` sizes
+    (8): a runner's buckets are that by design. The limit is read from the process-wide config when a graph records
+    (a compile's options do not reach it there): raised to n there, never lowered (None: the warning off, kept)."""
+    triton = torch._inductor.config.triton
+    limit = getattr(triton, "cudagraph_dynamic_shape_warn_limit", None)
+    if limit is not None and limit < n:
+        triton.cudagraph_dynamic_shape_warn_limit = n
 
 
 def experts_in_cuda_graphs(w13: torch.Tensor, w2: torch.Tensor, capability: tuple) -> bool:
@@ -160,8 +187,10 @@ class CompiledSteps:
         self.model, self.device = model, torch.device(device)
         self.buckets = list(buckets)
         self.captures = tuple(dict.fromkeys(tuple(c) for c in captures))
-        options = cuda_graph_options(model, torch.cuda.get_device_capability(self.device), self.buckets) \
-            if self.device.type == "cuda" else None
+        options = None
+        if self.device.type == "cuda":
+            options = cuda_graph_options(model, torch.cuda.get_device_capability(self.device), self.buckets)
+            allow_cuda_graph_sizes(len(self.buckets) + 1)
         # graphs of the same frame, a few a capture (at most one a bucket, where a token count is specialised): past
         # dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently. The graphs of earlier
         # engines in this process stay in the frame's cache and count too: the limit covers every runner made here
@@ -177,6 +206,7 @@ class CompiledSteps:
         # steps, and the seconds that took
         self.records_cuda_graphs = self.device.type == "cuda"
         self.cuda_graph_managers, self.cuda_graphs_at_warm_up, self.cuda_graph_skips_before = {}, None, None
+        self.cuda_graph_functions: dict = {}  # thread id -> this runner's functions in its manager (`note_functions`)
         self.record_s = 0.0
         self.steps = self.verify_steps = 0  # steps run compiled, and of them those that verified drafts
 
@@ -237,7 +267,7 @@ class CompiledSteps:
         (`record_cuda_graphs`): inductor's graph trees are per thread, and a Ray worker's steps run on its compiled
         graph's loop thread, not on the thread that warms it up; graphs recorded here would hold memory no step
         replays."""
-        t0 = time.perf_counter()
+        t0, functions = time.perf_counter(), _function_ids(self.device)
         if self.device.type == "cuda":
             self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
         self.warm_up_graphs_by_bucket = []
@@ -246,6 +276,7 @@ class CompiledSteps:
             self.warm_up_graphs_by_bucket.append(graphs)
             log.info("model.compile: bucket of %d tokens (%d/%d) in %.1f s", Tp, i + 1, len(self.buckets), seconds)
         self._run_buckets(1, progress)
+        note_functions(self.cuda_graph_functions, self.device, functions)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
@@ -263,13 +294,18 @@ class CompiledSteps:
         """Record this thread's CUDA graphs of every bucket and capture: two runs each (a graph tree warms a size up
         on its first run and records it on its second), before the thread's first step; the graphs recorded after
         it (`compile_cuda_graphs_after_warm_up`) should stay none."""
-        t0 = time.perf_counter()
+        t0, functions = time.perf_counter(), _function_ids(self.device)
         self._run_buckets(2)
+        note_functions(self.cuda_graph_functions, self.device, functions)
         self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
-        self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers.values())
+        self.cuda_graphs_at_warm_up = self.cuda_graphs()
         self.record_s += time.perf_counter() - t0
         log.info("model.compile: CUDA graphs of %d buckets recorded on this thread in %.1f s", len(self.buckets),
                  time.perf_counter() - t0)
+
+    def cuda_graphs(self) -> int:
+        """The CUDA graphs this runner's functions recorded on the threads that step (a piece of a step each)."""
+        return _cuda_graphs(self.cuda_graph_managers, self.cuda_graph_functions)
 
     def graphs_expected(self):
         """The graphs the warm-up compiles when each step is one whole graph: a capture's for one token and for the
@@ -293,7 +329,7 @@ class CompiledSteps:
                 # and any recorded since, while serving
                 "compile_cuda_graphs_at_warm_up": self.cuda_graphs_at_warm_up, "compile_cuda_graph_record_s": self.record_s,
                 "compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
-                else _cuda_graphs(self.cuda_graph_managers.values()) - self.cuda_graphs_at_warm_up,
+                else self.cuda_graphs() - self.cuda_graphs_at_warm_up,
                 # graphs inductor left without CUDA graphs (it logs why), since this runner's warm-up began
                 "compile_cuda_graph_skips": None if self.cuda_graph_skips_before is None
                 else _counter("inductor", "cudagraph_skips") - self.cuda_graph_skips_before}

@@ -146,6 +146,7 @@ class DSparkLayer(nn.Module):
         self.up_proj = Linear(d, c.intermediate_size, bias=False)
         self.down_proj = Linear(c.intermediate_size, d, bias=False)
         self.packed = None  # serving: (qkv [3d, d], gate_up [2I, d], qk_norm [2, 1, hd]) weights (`pack`)
+        self.index = 0  # which of the drafter's layers (the drafter sets it): a compiled round's attention reads it
 
     def pack(self) -> None:
         """Serving: the q, k, v projections one weight and gate, up another (a GEMM each, not three and two),
@@ -180,7 +181,8 @@ class DSparkLayer(nn.Module):
         for every layer); ctx_k/ctx_v [B, C, heads, hd], the context's keys and values (the block's are appended
         to a copy); or with `in_place` [B, C + Q, heads, hd], whose last Q rows the block's are written into
         (serving: no copy of the context per layer); mask [B, Q, C + Q] bool (True: may attend) or None
-        (everything)."""
+        (everything). ctx_k None: a compiled round's layer (`compiled_draft`), whose attention is one op that
+        reads the context from the round's `draft_context` (this layer's `index` says which layer's)."""
         B, Q, _ = x.shape
         H, D = self.c.num_heads, self.c.head_dim
         h = self.input_norm(x)
@@ -195,21 +197,32 @@ class DSparkLayer(nn.Module):
             q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, H, D)), cos, sin)
             k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, H, D)), cos, sin)
             v = self.v_proj(h).view(B, Q, H, D)
-        if in_place:
-            ctx_k[:, -Q:].copy_(k)
-            ctx_v[:, -Q:].copy_(v)
-            k, v = ctx_k.transpose(1, 2), ctx_v.transpose(1, 2)
+        if ctx_k is None:  # [B, Q, heads, hd]
+            attn = torch.ops.dspark.block_attention(q, k, v, self.index)
+        elif in_place:
+            attn = block_attention(q, k, v, ctx_k, ctx_v, mask)
         else:
             k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
             v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
-                                              attn_mask=None if mask is None else mask[:, None])
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, H * D))
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
+                                                  attn_mask=None if mask is None else mask[:, None]).transpose(1, 2)
+        x = x + self.o_proj(attn.reshape(B, Q, H * D))
         h = self.post_norm(x)
         if packed:
             gate, up = linear(h, self.packed[1]).chunk(2, dim=-1)
             return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def block_attention(q, k, v, ctx_k, ctx_v, mask):
+    """A serving block's attention: q, k, v [B, Q, heads, hd] (k normed and rotated), written into the last Q rows of
+    its context's keys / values ctx_k, ctx_v [B, C + Q, heads, hd] (in place), then q over them (mask as
+    `DSparkLayer.forward`'s) -> [B, Q, heads, hd]."""
+    Q = q.shape[1]
+    ctx_k[:, -Q:].copy_(k)
+    ctx_v[:, -Q:].copy_(v)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), ctx_k.transpose(1, 2), ctx_v.transpose(1, 2),
+                                          attn_mask=None if mask is None else mask[:, None]).transpose(1, 2)
 
 
 class DSparkDrafter(nn.Module):
@@ -227,6 +240,8 @@ class DSparkDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
         self.in_proj = Linear(Ht, d, bias=False)
         self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.index = i
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.out_proj = Linear(d, Ht, bias=False)
         self.out_norm = RMSNorm(Ht, c.rms_norm_eps)
@@ -241,6 +256,7 @@ class DSparkDrafter(nn.Module):
         if c.confidence_head:
             self.confidence = Linear(d + r, 1)
         self._w1 = self._w2 = None  # materialised Markov factors (serving)
+        self._factors_stale = False  # the weights they are made from changed: made again, in place (`markov_factors`)
         self._inv_freq: dict = {}  # device -> the rope's inverse frequencies (fp32, whatever the model's dtype)
         self._rope_table: dict = {}  # device -> (cos, sin) [rows, 1, head_dim] of positions 0 .. rows - 1 (serving)
 
@@ -252,7 +268,7 @@ class DSparkDrafter(nn.Module):
                                   f"drafter's vocab_size x target_hidden_size ({self.c.vocab_size}, "
                                   f"{self.c.target_hidden_size})")
         self.embed, self.lm_head = embed, lm_head
-        self._w1 = self._w2 = None
+        self._factors_stale = True
 
     def rope(self, positions, upto: Optional[int] = None):
         """positions [...] -> the rotation's cos, sin [..., 1, head_dim] in fp32 (computed in fp32 whatever the
@@ -291,9 +307,10 @@ class DSparkDrafter(nn.Module):
     def load_trained(self, state: dict) -> None:
         """Swap in other trained weights (a calibrated version): the cached Markov factors go too."""
         self.load_state_dict(state, strict=True)
-        self._w1 = self._w2 = None
-        if self.layers[0].packed is not None:  # (the load copied into the packed views; packed again all the same,
-            self.pack()  # should a load ever assign new tensors instead: a version switch is rare)
+        self._factors_stale = True
+        if any(layer.packed is not None and layer.q_proj.weight.data_ptr() != layer.packed[0].data_ptr()
+               for layer in self.layers):
+            self.pack()  # (the load copies into the packed views, which a compiled round's graphs read: kept)
 
     # ---- pieces shared by training and serving ----------------------------------------------
     def fuse(self, target_hidden):
@@ -318,12 +335,22 @@ class DSparkDrafter(nn.Module):
         """W1 [V, r], W2 [r, V] (materialised and cached when not training)."""
         if not self.c.markov_rank:
             return None, None
-        if self.training or self._w1 is None:
+        if self.training or self._w1 is None or self._factors_stale:
             w1 = self.markov_in(self.embed)  # [V, r]
             w2 = self.markov_out.weight.T @ self.lm_head.T  # [r, Ht] @ [Ht, V] -> [r, V]
             if self.training:
                 return w1, w2
-            self._w1, self._w2 = w1.detach(), w2.detach().float()
+            w1, w2 = w1.detach(), w2.detach().float()
+            old = self._w1
+            # made again in place where they can be (a version switch): a compiled round's CUDA graphs read them
+            # where they are
+            if old is not None and old.shape == w1.shape and old.dtype == w1.dtype and old.device == w1.device \
+                    and (torch.is_inference_mode_enabled() or not old.is_inference()):
+                self._w1.copy_(w1)
+                self._w2.copy_(w2)
+            else:
+                self._w1, self._w2 = w1, w2
+            self._factors_stale = False
         return self._w1, self._w2
 
     def markov_gates(self, hn):

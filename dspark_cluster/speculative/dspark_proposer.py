@@ -23,6 +23,7 @@ from ..model.gemm import detached, reorder_tensors
 from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
 from .calibration import SequenceSample
+from .compiled_draft import CompiledDraft
 from .records import ContextRows, RoundRecords
 from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolve_draft_passes, target_tables,
                            tensor_fingerprint)
@@ -72,7 +73,9 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 class DSparkProposer:
     def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False,
-                 context_window="auto", draft_passes="auto", target_tables_held=None):
+                 context_window="auto", draft_passes="auto", target_tables_held=None, compile_buckets=None):
+        """compile_buckets: batch sizes greedy rounds are compiled for (model.compile on: `compiled_draft`), or
+        None (eager)."""
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
         # a block reads the latest `window` context rows before its anchor (speculative.context_window)
@@ -119,6 +122,10 @@ class DSparkProposer:
         self.version = 0
         self.staged: dict[int, dict] = {0: {k: v.detach().clone() for k, v in self.model.state_dict().items()}} \
             if calibrate else {}
+        self.compiled = None
+        if compile_buckets:
+            self.compiled = CompiledDraft(self, compile_buckets, num_tokens)
+            self.compiled.warm_up()
 
     # ---- context ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -392,6 +399,9 @@ class DSparkProposer:
         m, dev = self.model, self.device
         context = self.block_context(reqs)
         anchors = torch.tensor([r.anchor for r in reqs], device=dev)
+        if self.compiled is not None and self.compiled.applies(reqs):  # greedy, in graphs (no law to ship)
+            tokens, confs = self.compiled(reqs, context, anchors)
+            return active, (tokens, confs, None)
         hn, base = self.block_forward(reqs, context=context, anchors=anchors)
         w1, w2 = m.markov_factors()
         gates = m.markov_gates(hn)  # [B, block, r] or None

@@ -53,13 +53,15 @@ def profile_calls(prepare, call, free, rows=PROFILE_ROWS, repeats: int = 3) -> d
 
 class TargetDrafter:
     def __init__(self, draft_model: str, target_path: str, target_spec, device, num_tokens: int, context_window,
-                 draft_passes=1, target_tables_held=None):
+                 draft_passes=1, target_tables_held=None, compile_buckets=None):
         """target_tables_held: this rank's embedding and LM head weights, which the drafter reads in place where
-        they are the whole vocabulary (no tensor parallelism)."""
+        they are the whole vocabulary (no tensor parallelism); compile_buckets: the batch sizes its greedy rounds
+        are compiled for (model.compile on), or None."""
         self.proposer: Optional[DSparkProposer] = DSparkProposer(draft_model, target_path, target_spec, device,
                                                                  num_tokens, context_window=context_window,
                                                                  draft_passes=draft_passes,
-                                                                 target_tables_held=target_tables_held)
+                                                                 target_tables_held=target_tables_held,
+                                                                 compile_buckets=compile_buckets)
         # seq_id -> (sequence length the proposal continues, its tokens [k] (host), its draft law [k, V] (a
         # view of its batch's on the device)), for the sampled rows' latest proposals
         self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -183,6 +185,11 @@ class TargetDrafter:
         log.info("drafter on the target, ms a drafting call by rows: %s",
                  ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
         return out
+
+    def compile_stats(self) -> dict:
+        """The drafter's compiled rounds (`CompiledDraft.stats`; {} where they run eager)."""
+        p = self.proposer
+        return p.compiled.stats() if p is not None and p.compiled is not None else {}
 
     def take_error(self) -> Optional[str]:
         err, self.error = self.error, None

@@ -18,9 +18,11 @@ import torch
 from ..errors import ConfigError
 from ..kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
 from ..model.attention import build_metadata
+from ..model.compiled import resolve_compile
 from ..model.loader import _shard_dim, load_model
 from ..model.spec import ModelSpec, load_spec
 from ..sampling import DRAFT, filter_logits, race_sample
+from .compiled_draft import draft_buckets
 from .dspark_model import draft_passes_of
 from .dspark_proposer import DSparkProposer
 from .records import Proposal
@@ -291,5 +293,7 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
     if sp.method == "dspark":
         return DSparkProposer(sp.draft_model, cfg.model.path, target_spec, device, sp.num_tokens,
                               calibrate=sp.calibration.enabled, context_window=sp.context_window,
-                              draft_passes=draft_passes_of(cfg))
+                              draft_passes=draft_passes_of(cfg),
+                              compile_buckets=draft_buckets(cfg.scheduler.max_num_seqs)
+                              if resolve_compile(cfg.model.compile, device) else None)
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")

@@ -1,0 +1,261 @@
+"""`model.compile` for the DSpark drafter's round: a greedy proposal through `torch.compile`, its rows padded to
+batch buckets (CUDA graphs on CUDA).
+
+Eager, a round at batch 1 issues ~160 operations at one block pass and ~250 at two (the fuse, each layer's
+projections, norms and rope, the head over the vocabulary, then k Markov steps): on a GPU, beside a verify step
+replayed as CUDA graphs (`model/compiled.py`), those launches would be most of a drafting step's time at low load.
+Compiled, the round is the block forward(s), the Markov loop over `num_tokens` slots and the confidences in one
+function of the anchors and the block's rope: everything but attention is one graph (a graph for one row and one
+for every larger bucket, the batch a dynamic dimension) and, on CUDA, CUDA graphs cut around attention as the
+target's are. Attention is one op (`dspark::block_attention`) that reads the round's context (each layer's
+keys / values of the context rows and the padding mask, `DSparkProposer.block_context`) from `draft_context`, not
+from the graph's inputs: the context length changes every token, the graphs never see it. Padding rows (anchor 0
+at position 0) attend nothing, write no context row, and are dropped.
+
+The round computes every slot up to `num_tokens` and each row keeps its own k (a slot's draft and confidence read
+only the slots before it: the same as drafting k). Greedy rows only, with a confidence head: a round with a
+sampled row (its draft law, seeded races) runs eager, as does a batch past the largest bucket. The drafts are the
+eager round's up to the compiler's rounding (fp32 sums in another order); speculation keeps the target's law
+whatever the drafts are.
+
+    runner = CompiledDraft(proposer, buckets)
+    runner.warm_up()                       compile every bucket (a padding-only round each)
+    runner.applies(requests) -> bool
+    runner(requests, context, anchors) -> (tokens [B, K] long, confidences [B, K])
+    runner.stats() -> dict
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, _function_ids, allow_cuda_graph_sizes, bucket_of,
+                              note_functions, step_buckets)
+from .dspark_model import block_attention as _block_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftContext:
+    """What a compiled round's attention reads: `rows` real rows (the first of the padded batch), each layer's
+    context keys / values [rows, C + S, heads, hd] (`kv(layer)`, the block's S rows written in place) and the mask
+    [rows, S, C + S] or None."""
+
+    rows: int
+    kv: Optional[Callable]
+    mask: Optional[torch.Tensor]
+
+
+_round = threading.local()
+
+
+@contextlib.contextmanager
+def draft_context(ctx: DraftContext):
+    prev, _round.ctx = getattr(_round, "ctx", None), ctx
+    try:
+        yield
+    finally:
+        _round.ctx = prev
+
+
+def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """`block_attention` of the round in `draft_context` over its real rows: q, k, v [Bp, S, heads, hd] ->
+    [Bp, S, heads, hd] (the padding rows zeros)."""
+    ctx = getattr(_round, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("dspark::block_attention ran outside compiled_draft.draft_context: a compiled round's "
+                           "attention reads its context there (CompiledDraft sets it around each round)")
+    B = ctx.rows
+    if B == q.shape[0]:
+        return _block_attention(q, k, v, *ctx.kv(layer), ctx.mask).contiguous()
+    out = q.new_zeros(q.shape)
+    if B:
+        out[:B] = _block_attention(q[:B], k[:B], v[:B], *ctx.kv(layer), ctx.mask)
+    return out
+
+
+# Declared pure, though it writes the block's rows into the context store (no input of the graph): the compiler may
+# merge two calls with the same inputs, and none has them (each layer's q, k, v differ, and so do a second pass's,
+# whose block holds slot 0's draft); every call's output is read, so none is dropped
+torch.library.custom_op("dspark::block_attention", _block_attention_op, mutates_args=()).register_fake(
+    lambda q, k, v, layer: q.new_empty(q.shape))
+
+
+# The most rows a compiled round takes (larger rounds run eager, their launches shared by many rows): a round holds
+# its block's base logits, [rows, block_size, V] in fp32 (two of them with two passes), in the graphs' memory, outside
+# the KV plan: at DeepSeek-V3's 129k vocabulary and a block of 7, 64 rows are 230 MB a pass
+MAX_DRAFT_ROWS = 64
+
+
+def draft_buckets(max_rows: int) -> list[int]:
+    """The batch sizes a compiled round pads to: the target's step buckets up to `max_rows` (the most sequences a
+    step drafts for: scheduler.max_num_seqs), MAX_DRAFT_ROWS at most."""
+    return step_buckets(max(1, min(int(max_rows), MAX_DRAFT_ROWS)))
+
+
+def _entries(fn) -> int:
+    """Graphs dynamo holds for this function's frame (its own: the process-wide counter also counts the target's)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+class CompiledDraft:
+    graphs_asked = 0  # by every runner made in this process (the frame's cache holds them all: dynamo's limit)
+
+    def __init__(self, proposer, buckets: list, num_tokens: int):
+        """proposer: the DSparkProposer whose rounds run here (its model, context and device); buckets: batch sizes
+        (`draft_buckets`); num_tokens: the slots a round drafts (speculative.num_tokens: the most a row asks)."""
+        self.proposer, self.model, self.device = proposer, proposer.model, proposer.device
+        self.buckets, self.num_tokens = list(buckets), int(num_tokens)
+        c = self.model.c
+        self.passes = c.draft_passes
+        options = None
+        config = torch._inductor.config
+        if self.device.type == "cuda" and not hasattr(config, "graph_partition"):
+            log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: the drafter's rounds "
+                        "compile without CUDA graphs", torch.__version__)
+            options = {}
+        elif self.device.type == "cuda":  # CUDA graphs cut where attention runs (its context grows every token)
+            options = {"triton.cudagraphs": True, "graph_partition": True,
+                       "custom_should_partition_ops": ["dspark::block_attention"]}
+            allow_cuda_graph_sizes(len(self.buckets) + 1)
+            # (the packed weights, attributes of inlined modules, dynamo already treats as static; the Markov factors,
+            # arguments, are marked so in `_inputs`: the graphs read them in place, kept in place by `load_trained`)
+        self._static = ()  # the Markov factors marked static (made again in place; new tensors are marked again)
+        # a graph for one row and one for the larger buckets, per runner: past dynamo's limit of graphs a frame the
+        # rounds would run eager, silently
+        CompiledDraft.graphs_asked += 2
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDraft.graphs_asked + 1)
+        self.fn = torch.compile(self._round, dynamic=False, options=options)
+        self.warm_up_s = self.record_s = 0.0
+        self.graphs_at_warm_up = self.warm_up_graphs = None
+        self.records_cuda_graphs = self.device.type == "cuda"
+        self.cuda_graph_managers, self.cuda_graphs_at_warm_up = {}, None
+        self.cuda_graph_functions: dict = {}  # thread id -> this runner's functions in its manager (`note_functions`)
+        self.rounds = 0  # rounds run compiled
+
+    def applies(self, requests) -> bool:
+        """Greedy rows only, with a confidence head, at most the largest bucket of them, none asking more than
+        num_tokens."""
+        return (0 < len(requests) <= self.buckets[-1] and self.model.c.confidence_head
+                and all(r.temperature == 0 and r.k <= self.num_tokens for r in requests))
+
+    def _block(self, anchors, second, cos, sin):
+        m = self.model
+        x = m.block_input(anchors, m.c.block_size, second)
+        for layer in m.layers:
+            x = layer(x, (cos, sin), None, None, None)
+        return m.head(x)
+
+    def _round(self, anchors, cos, sin, w1, w2):
+        """The compiled function: anchors [Bp] long, cos / sin [Bp, S, 1, hd], the Markov factors w1 [V, r], w2 [r, V]
+        (or None) -> (tokens [Bp, K], raw confidences [Bp, K]), K = num_tokens (DSparkProposer.draft's greedy
+        round)."""
+        m, K = self.model, self.num_tokens
+        hn, base = self._block(anchors, None, cos, sin)
+        gates = m.markov_gates(hn)
+        prev, tokens, es = anchors, [], []
+        for i in range(K):
+            if i == 1 and self.passes == 2:  # slots 1.. from a block that holds slot 0's draft
+                hn2, base2 = self._block(anchors, tokens[0], cos, sin)
+                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
+                gates = m.markov_gates(hn)
+            e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
+            prev = (base[:, i] + bias).argmax(-1)
+            tokens.append(prev)
+            es.append(e)
+        conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
+        return torch.stack(tokens, 1), conf
+
+    def _inputs(self, anchors, qpos, upto: int, Bp: int):
+        """The round's inputs padded to Bp rows: anchors, the rope of the block's positions qpos [B, S], and the
+        Markov factors (made again here, in place, after a version switch: outside the graph)."""
+        B = anchors.shape[0]
+        if Bp > B:
+            anchors = torch.cat([anchors, anchors.new_zeros(Bp - B)])
+            qpos = torch.cat([qpos, torch.arange(qpos.shape[1], device=qpos.device).expand(Bp - B, -1)])
+        cos, sin = self.model.rope(qpos, upto)
+        if Bp > 1:  # one graph for every bucket past 1, the batch dynamic (as the target's steps)
+            for t in (anchors, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
+        w1, w2 = self.model.markov_factors()
+        if self.device.type == "cuda" and w1 is not None and tuple(map(id, (w1, w2))) != self._static:
+            for t in (w1, w2):  # read in place by the CUDA graphs, not copied in at each replay
+                torch._dynamo.mark_static_address(t)
+            self._static = tuple(map(id, (w1, w2)))
+        return anchors, cos, sin, w1, w2
+
+    @torch.inference_mode()
+    def __call__(self, requests, context, anchors):
+        """A greedy round of these requests (`applies`), context = `proposer.block_context(requests)`, anchors [B] on
+        the device -> (tokens [B, K], confidences [B, K]) (sigmoid of the head's logits), K = the most they ask."""
+        if self.records_cuda_graphs and threading.get_ident() not in self.cuda_graph_managers:
+            self.record_cuda_graphs()
+        qpos, mask, kv = context
+        B = len(requests)
+        upto = max(r.length for r in requests) - 1 + self.model.c.block_size
+        args = self._inputs(anchors, qpos, upto, bucket_of(B, self.buckets))
+        with draft_context(DraftContext(B, kv, mask)):
+            tokens, conf = self.fn(*args)
+        self.rounds += 1
+        K = max(r.k for r in requests)
+        return tokens[:B, :K], torch.sigmoid(conf[:B, :K])
+
+    def _run_buckets(self, runs: int, on_bucket=None) -> None:
+        """Every bucket `runs` times with padding rows only."""
+        S = self.model.c.block_size
+        with draft_context(DraftContext(0, None, None)):
+            for i, Bp in enumerate(self.buckets):
+                t = time.perf_counter()
+                args = self._inputs(torch.zeros(0, dtype=torch.long, device=self.device),
+                                    torch.zeros(0, S, dtype=torch.long, device=self.device), S, Bp)
+                for _ in range(runs):
+                    self.fn(*args)
+                if on_bucket is not None:
+                    on_bucket(i, Bp, time.perf_counter() - t)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile every bucket now (a graph for one row and one for the rest); on CUDA the thread that drafts
+        records its CUDA graphs before its first round (`record_cuda_graphs`), as the target's steps do."""
+        t0, before, functions = time.perf_counter(), _entries(self._round), _function_ids(self.device)
+        self._run_buckets(1, lambda i, Bp, s: log.info("model.compile: the drafter's round of %d rows (%d/%d) in "
+                                                       "%.1f s", Bp, i + 1, len(self.buckets), s))
+        note_functions(self.cuda_graph_functions, self.device, functions)
+        self.warm_up_s = time.perf_counter() - t0
+        self.graphs_at_warm_up = _entries(self._round)
+        self.warm_up_graphs = self.graphs_at_warm_up - before
+        log.info("model.compile: the drafter's rounds, %d buckets compiled in %.1f s (%d graphs)", len(self.buckets),
+                 self.warm_up_s, self.warm_up_graphs)
+
+    @torch.inference_mode()
+    def record_cuda_graphs(self) -> None:
+        """This thread's CUDA graphs of every bucket (two runs each: a graph tree warms a size up, then records)."""
+        t0, functions = time.perf_counter(), _function_ids(self.device)
+        self._run_buckets(2)
+        note_functions(self.cuda_graph_functions, self.device, functions)
+        self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
+        self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers, self.cuda_graph_functions)
+        self.record_s += time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        graphs = _entries(self._round)
+        return {"draft_compile_buckets": list(self.buckets), "draft_compile_warm_up_s": self.warm_up_s,
+                "draft_compile_rounds": self.rounds, "draft_compile_warm_up_graphs": self.warm_up_graphs,
+                # (the graphs of the round's frame, every runner's in this process: the recompiles after the warm-up
+                # are an upper bound of this runner's)
+                "draft_compile_graphs": graphs, "draft_compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
+                else graphs - self.graphs_at_warm_up,
+                "draft_compile_cuda_graph_record_s": self.record_s,
+                "draft_compile_cuda_graphs_after_warm_up": None if self.cuda_graphs_at_warm_up is None
+                else _cuda_graphs(self.cuda_graph_managers, self.cuda_graph_functions) - self.cuda_graphs_at_warm_up}
