@@ -274,7 +274,7 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     1 + drafts tokens, cut to different lengths by the verify budget) replay the same graphs as decode steps:
     serving compiles nothing more, and greedy tokens equal plain decoding's. The drafter's greedy rounds run
     compiled too (`compiled_draft`: batch buckets up to max_num_seqs), with no recompile while serving; the run's
-    compile summary and report say so."""
+    compile summary and report say so. A drafter group's proposer (placement group) compiles its rounds as well."""
     from dspark_cluster.model.compiled import step_buckets
     from dspark_cluster.report import format_summary
 
@@ -297,6 +297,14 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     assert stats["draft_compile_warm_up_graphs"] == 2 and stats["draft_compile_recompiles_after_warm_up"] == 0, stats
     assert summary["draft_rounds"] == stats["draft_compile_rounds"] and summary["draft_recompiles_after_warm_up"] == 0
     assert "model.compile, the drafter" in format_summary({"compile": summary})
+    cfg["speculative"]["placement"] = "group"  # a drafter group's proposer (here in process) compiles its rounds too
+    llm = LLM(target, config=cfg)
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts[:2], GREEDY)]
+        runner = dspark_proposer(llm).compiled
+    finally:
+        llm.shutdown()
+    assert outs == plain[:2] and runner.rounds > 0 and runner.stats()["draft_compile_recompiles_after_warm_up"] == 0
 
 
 def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_path):
