@@ -368,12 +368,19 @@ def step_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_
     if meta is None:
         raise RuntimeError("dspark::step_attention ran outside attention.step_context: a compiled step's attention "
                            "reads its metadata there (CompiledSteps sets it around each step)")
-    T = meta.num_tokens
-    if T == q.shape[0]:
-        return paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale).contiguous()
-    out = q.new_zeros(*q.shape[:-1], v_new.shape[-1])
-    if T:
-        out[:T] = paged_attention(q[:T], k_new[:T], v_new[:T], k_cache, v_cache, meta, scale)
+    return on_real_rows(meta.num_tokens, (*q.shape[:-1], v_new.shape[-1]),
+                        lambda q, k, v: paged_attention(q, k, v, k_cache, v_cache, meta, scale), q, k_new, v_new)
+
+
+def on_real_rows(n: int, out_shape, run, *xs: torch.Tensor) -> torch.Tensor:
+    """run(*xs) over the first n rows of a compiled call's padded batch (xs [Np, ...]: the real rows first), as a new
+    tensor of out_shape ([Np, ...]) whose padding rows are zeros: what an opaque op of the graphs returns (never a view
+    of its inputs)."""
+    if n == xs[0].shape[0]:
+        return run(*xs).contiguous()
+    out = xs[0].new_zeros(out_shape)
+    if n:
+        out[:n] = run(*(x[:n] for x in xs))
     return out
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..model.attention import on_real_rows
 from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, _function_ids, allow_cuda_graph_sizes, bucket_of,
                               note_functions, step_buckets)
 from .dspark_model import block_attention as _block_attention
@@ -73,13 +74,7 @@ def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer
     if ctx is None:
         raise RuntimeError("dspark::block_attention ran outside compiled_draft.draft_context: a compiled round's "
                            "attention reads its context there (CompiledDraft sets it around each round)")
-    B = ctx.rows
-    if B == q.shape[0]:
-        return _block_attention(q, k, v, *ctx.kv(layer), ctx.mask).contiguous()
-    out = q.new_zeros(q.shape)
-    if B:
-        out[:B] = _block_attention(q[:B], k[:B], v[:B], *ctx.kv(layer), ctx.mask)
-    return out
+    return on_real_rows(ctx.rows, q.shape, lambda q, k, v: _block_attention(q, k, v, *ctx.kv(layer), ctx.mask), q, k, v)
 
 
 # Declared pure, though it writes the block's rows into the context store (no input of the graph): the compiler may
