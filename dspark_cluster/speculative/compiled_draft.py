@@ -18,7 +18,7 @@ sampled row (its draft law, seeded races) runs eager, as does a batch past the l
 eager round's up to the compiler's rounding (fp32 sums in another order); speculation keeps the target's law
 whatever the drafts are.
 
-    runner = CompiledDraft(proposer, buckets)
+    runner = CompiledDraft(proposer, buckets, num_tokens)
     runner.warm_up()                       compile every bucket (a padding-only round each)
     runner.applies(requests) -> bool
     runner(requests, context, anchors) -> (tokens [B, K] long, confidences [B, K])
@@ -107,9 +107,10 @@ class CompiledDraft:
     graphs_asked = 0  # by every runner made in this process (the frame's cache holds them all: dynamo's limit)
 
     def __init__(self, proposer, buckets: list, num_tokens: int):
-        """proposer: the DSparkProposer whose rounds run here (its model, context and device); buckets: batch sizes
-        (`draft_buckets`); num_tokens: the slots a round drafts (speculative.num_tokens: the most a row asks)."""
-        self.proposer, self.model, self.device = proposer, proposer.model, proposer.device
+        """proposer: the DSparkProposer whose rounds run here (its model and device; it passes each round's context);
+        buckets: batch sizes (`draft_buckets`); num_tokens: the slots a round drafts (speculative.num_tokens: the most
+        a row asks)."""
+        self.model, self.device = proposer.model, proposer.device
         self.buckets, self.num_tokens = list(buckets), int(num_tokens)
         c = self.model.c
         self.passes = c.draft_passes
