@@ -307,7 +307,7 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     assert outs == plain[:2] and runner.rounds > 0 and runner.stats()["draft_compile_recompiles_after_warm_up"] == 0
 
 
-def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_path):
+def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_path, monkeypatch):
     """The drafter's greedy round through `compiled_draft` (two block passes, a gated Markov head, a confidence head):
     drafts equal the eager round's and confidences to the compiler's rounding, at one row (the context read as views
     of the sequence's store) and three (a padded context with its mask, padded to the 4-row bucket), each row keeping
@@ -331,9 +331,15 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     # (calibrate: each sequence's rows kept, which a version switch recomputes the context from)
     make = lambda buckets: DSparkProposer(path, target, spec, "cpu", num_tokens=4, draft_passes=2,  # noqa: E731
                                           calibrate=True, compile_buckets=buckets)
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
     compiled, eager = make([1, 2, 4]), make(None)
     runner = compiled.compiled
     assert runner is not None and runner.stats()["draft_compile_warm_up_graphs"] == 2  # one row; the larger buckets
+    assert dict(counters["graph_break"]) == breaks  # each a whole round
+    # from here a recompile raises (dynamo past its limit would run the round eager without one: it would show here)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     runner.records_cuda_graphs = True  # (CUDA's pass, forced: on the CPU it records nothing, and runs every bucket)
     g = torch.Generator().manual_seed(5)
     width = eager.model.fc.in_features
@@ -370,7 +376,10 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
         p.stage(1, new, keep=[])
         p.use(1)
     same(requests([1, 2]))
-    assert all(a is b for a, b in zip(factors, compiled.model.markov_factors()))  # made again in place
+    m = compiled.model
+    assert all(a is b for a, b in zip(factors, m.markov_factors()))  # made again in place, of the new weights
+    assert torch.allclose(factors[0], m.markov_in(m.embed)) and \
+        torch.allclose(factors[1], (m.markov_out.weight.T @ m.lm_head.T).float())
     errors = []
 
     def other_thread():

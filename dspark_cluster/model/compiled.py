@@ -107,15 +107,17 @@ def _cuda_graph_manager(device: torch.device):
 
 def _function_ids(device: torch.device) -> set:
     """The compiled functions (ids) this thread's CUDA graph tree manager holds (none off CUDA, before any graph)."""
-    manager = _cuda_graph_manager(device)
+    manager = _cuda_graph_manager(device)  # (None off CUDA, at once)
     return set(getattr(manager, "ids_to_funcs", None) or ()) if manager is not None else set()
 
 
 def note_functions(functions: dict, device: torch.device, before: set) -> None:
-    """After a pass of a runner's graphs on this thread (its warm-up or its recording pass, which run every one of its
-    graphs): the functions the pass registered with the thread's tree manager, beyond `before`, are the runner's
-    (functions: thread id -> ids). The target's steps and a drafter's rounds share each thread's manager: each counts
-    its own graphs."""
+    """After a runner's graphs ran on this thread (its warm-up, its recording pass, or a call: calls on a thread are
+    sequential): the functions they registered with the thread's tree manager beyond `before` (each size of a graph
+    recorded is one, and so is a recompiled graph's) are the runner's (functions: thread id -> ids). The target's steps
+    and a drafter's rounds share each thread's manager: each counts its own graphs. Nothing off CUDA."""
+    if device.type != "cuda":
+        return
     tid = threading.get_ident()
     functions[tid] = functions.get(tid, set()) | (_function_ids(device) - before)
 
@@ -235,8 +237,11 @@ class CompiledSteps:
         T = step.input_ids.numel()
         positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
         ids, positions, real = self._padded(step.input_ids, positions, T)
+        functions = _function_ids(self.device)
         with step_context(meta.to(self.device, self.model.lm_head.weight.dtype)):
             hidden = self.fn(ids, positions, None, capture, real)
+        # (a graph recorded now, a size or a recompile the passes did not see, is a new function: this runner's)
+        note_functions(self.cuda_graph_functions, self.device, functions)
         self.steps += 1
         self.verify_steps += step.num_draft is not None and bool(step.num_draft.any())
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)

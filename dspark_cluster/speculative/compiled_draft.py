@@ -15,8 +15,9 @@ at position 0) attend nothing, write no context row, and are dropped.
 The round computes every slot up to `num_tokens` and each row keeps its own k (a slot's draft and confidence read
 only the slots before it: the same as drafting k). Greedy rows only, with a confidence head: a round with a
 sampled row (its draft law, seeded races) runs eager, as does a batch past the largest bucket. The drafts are the
-eager round's up to the compiler's rounding (fp32 sums in another order); speculation keeps the target's law
-whatever the drafts are.
+eager round's up to the compiler's rounding (sums in another order; in 16 bits, intermediates the compiler keeps in
+fp32 across fused operations): near-ties may draft another token; speculation keeps the target's law whatever the
+drafts are.
 
     runner = CompiledDraft(proposer, buckets, num_tokens)
     runner.warm_up()                       compile every bucket (a padding-only round each)
@@ -201,8 +202,10 @@ class CompiledDraft:
         B = len(requests)
         upto = max(r.length for r in requests) - 1 + self.model.c.block_size
         args = self._inputs(anchors, qpos, upto, bucket_of(B, self.buckets))
+        functions = _function_ids(self.device)
         with draft_context(DraftContext(B, kv, mask)):
             tokens, conf = self.fn(*args)
+        note_functions(self.cuda_graph_functions, self.device, functions)  # (a graph recorded now is this runner's)
         self.rounds += 1
         K = max(r.k for r in requests)
         return tokens[:B, :K], torch.sigmoid(conf[:B, :K])

@@ -311,6 +311,9 @@ class DSparkDrafter(nn.Module):
         if any(layer.packed is not None and layer.q_proj.weight.data_ptr() != layer.packed[0].data_ptr()
                for layer in self.layers):
             self.pack()  # (the load copies into the packed views, which a compiled round's graphs read: kept)
+        for layer in self.layers:  # their oneDNN copies (gemm.reordered) are made again: a write through a module's
+            for t in (layer.packed or ())[:2]:  # view bumps the view's version counter, not the packed tensor's
+                t.__dict__.pop("_onednn", None)
 
     # ---- pieces shared by training and serving ----------------------------------------------
     def fuse(self, target_hidden):

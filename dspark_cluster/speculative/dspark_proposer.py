@@ -271,6 +271,7 @@ class DSparkProposer:
         if version not in self.staged:
             raise KeyError(f"drafter version {version} is not staged here (staged: {sorted(self.staged)})")
         self.model.load_trained(self.staged[version])
+        reorder_tensors(self.model.serving_weights(tables=False))  # the CPU's oneDNN copies made again now, not mid-round
         self.version = version
         for st in self.ctx.values():
             st.k, st.v, st.kv_length = [], [], 0

@@ -179,7 +179,17 @@ class TargetDrafter:
             self.propose(full(self.num_tokens), ids, full(context + 1 + i), full(2), full(0.0, torch.float32),
                          full(0), full(1.0, torch.float32), full(-1), full(i))
 
-        out = profile_calls(prepare, call, lambda ids: p.free(ids.tolist()), rows, repeats)
+        # a compiled drafter's rounds run here as they serve, but without its recording pass (every bucket's CUDA
+        # graphs): this thread (the worker's start-up thread) may never draft; only the profile's sizes record here
+        runner = p.compiled
+        recording = runner is not None and runner.records_cuda_graphs
+        if recording:
+            runner.records_cuda_graphs = False
+        try:
+            out = profile_calls(prepare, call, lambda ids: p.free(ids.tolist()), rows, repeats)
+        finally:
+            if recording:
+                runner.records_cuda_graphs = True
         p.peak_context_bytes = p.ingested_rows = p.misses = 0
         self.num_proposed = 0
         log.info("drafter on the target, ms a drafting call by rows: %s",
