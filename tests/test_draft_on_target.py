@@ -294,7 +294,7 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     assert stats["compile_buckets"] == step_buckets(2 * (1 + k)) and stats["compile_warm_up_graphs"] == 4
     assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_verify_steps"] > 0, stats
     assert stats["draft_compile_buckets"] == [1, 2] and stats["draft_compile_rounds"] > 0
-    assert stats["draft_compile_warm_up_graphs"] == 2 and stats["draft_compile_recompiles_after_warm_up"] == 0, stats
+    assert stats["draft_compile_warm_up_graphs"] == 4 and stats["draft_compile_recompiles_after_warm_up"] == 0, stats
     assert summary["draft_rounds"] == stats["draft_compile_rounds"] and summary["draft_recompiles_after_warm_up"] == 0
     assert "model.compile, the drafter" in format_summary({"compile": summary})
     cfg["speculative"]["placement"] = "group"  # a drafter group's proposer (here in process) compiles its rounds too
@@ -308,16 +308,20 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
 
 
 def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_path, monkeypatch):
-    """The drafter's greedy round through `compiled_draft` (two block passes, a gated Markov head, a confidence head):
+    """The drafter's round through `compiled_draft` (two block passes, a gated Markov head, a confidence head):
     drafts equal the eager round's and confidences to the compiler's rounding, at one row (the context read as views
     of the sequence's store) and three (a padded context with its mask, padded to the 4-row bucket), each row keeping
     its own k, as the contexts grow across block boundaries and after a drafter version switch (the Markov factors
-    made again in place): two graphs, nothing compiled after the warm-up. A sampled row, or more rows than the
-    largest bucket, drafts eager. The CUDA-graph recording pass (forced here; on CUDA each drafting thread's first
-    round) runs on each thread that drafts."""
+    made again in place): four graphs (one row and the rest, greedy and sampled), nothing compiled after the warm-up.
+    The CUDA-graph recording pass (forced here; on CUDA each drafting thread's first round) runs on each thread that
+    drafts. Sampled rows at a temperature alone draft compiled: their laws as eager's
+    where no draw is read yet, their draws following the law, the law outliving the next replay; a seeded row, or
+    more rows than the largest bucket, drafts eager."""
     import threading
+    from dataclasses import replace
 
     import torch
+    from scipy.stats import chi2
 
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer
@@ -336,7 +340,8 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     breaks = dict(counters["graph_break"])
     compiled, eager = make([1, 2, 4]), make(None)
     runner = compiled.compiled
-    assert runner is not None and runner.stats()["draft_compile_warm_up_graphs"] == 2  # one row; the larger buckets
+    # one row and the larger buckets, all greedy or with sampled rows
+    assert runner is not None and runner.stats()["draft_compile_warm_up_graphs"] == 4
     assert dict(counters["graph_break"]) == breaks  # each a whole round
     # from here a recompile raises (dynamo past its limit would run the round eager without one: it would show here)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
@@ -396,10 +401,49 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     grow(3, 5)
     grow(4, 5)
     same(requests([0, 1, 2, 3, 4]))  # 5 rows: past the largest bucket
-    _, (_, _, law) = compiled.draft(requests([0], temperature=0.8))
-    assert law is not None and runner.rounds == before  # the 5-row and the sampled rounds ran eager
+    _, (_, _, law) = compiled.draft([replace(r, seed=7) for r in requests([0], temperature=0.8)])
+    assert law is not None and runner.rounds == before  # the 5-row and the seeded rounds ran eager
     same(requests([0, 1]))
     assert runner.rounds == before + 1
+
+    # sampled rows at a temperature alone: compiled, with their draft laws. Beside a greedy row: the greedy row as
+    # eager, the sampled row's slot-0 law and confidence as eager (they read no draw)
+    mixed = requests([0], temperature=0.8) + requests([1])
+    (_, (t_c, c_c, law_c)), (_, (t_e, c_e, law_e)) = compiled.draft(mixed), eager.draft(mixed)
+    assert runner.sampled_rounds == 1 and law_c.shape == law_e.shape and law_c.dtype == law_e.dtype
+    assert torch.allclose(law_c[:, 0], law_e[:, 0], atol=1e-6) and torch.allclose(c_c[:, 0], c_e[:, 0], atol=1e-5)
+    assert torch.equal(t_c[1], t_e[1]) and torch.allclose(c_c[1], c_e[1], atol=1e-5)
+    # the draws follow the law (slot 0, four rows of one context a round; a peaked law: cells of 5 expected or more)
+    reqs = requests([2], temperature=0.3) * 4
+    torch.manual_seed(3)  # (the compiled rounds' draws come from the global generator: the same draws every run)
+    law0 = compiled.draft(reqs)[1][2][0, 0].double()
+    draws = torch.cat([compiled.draft(reqs)[1][0][:, 0] for _ in range(250)])
+    counts = torch.bincount(draws, minlength=law0.numel()).double()
+    big = law0 * draws.numel() >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([law0[big], law0[~big].sum()[None]]) * draws.numel()
+    keep = exp > 0
+    p = chi2.sf(float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1)
+    print(f"compiled draws against their law: p {p:.3g}, {int(big.sum())} cells")
+    assert int(big.sum()) >= 3 and p > 1e-3, (p, int(big.sum()))
+    # a law is held until the next step verifies it: it outlives the next replay (the compiled function replaced by
+    # one that writes its outputs into the same memory at every call of a shape, as a CUDA graph's replay does)
+    compiled_fn, held = runner.fn, {}
+
+    def graph_like(*args):
+        out = compiled_fn(*args)
+        bufs = held.setdefault((args[0].shape[0], args[-1] is None),
+                               tuple(None if o is None else torch.empty_like(o) for o in out))
+        for b, o in zip(bufs, out):
+            if o is not None:
+                b.copy_(o)
+        return bufs
+
+    runner.fn = graph_like
+    first = compiled.draft(requests([0], temperature=0.8))[1][2]
+    kept = first.clone()
+    second = compiled.draft(requests([0], temperature=1.5))[1][2]
+    assert torch.equal(first, kept) and not torch.equal(first, second)
     stats = runner.stats()
-    assert stats["draft_compile_recompiles_after_warm_up"] == 0 and stats["draft_compile_warm_up_graphs"] == 2, stats
+    assert stats["draft_compile_recompiles_after_warm_up"] == 0 and stats["draft_compile_warm_up_graphs"] == 4, stats
     assert len(runner.cuda_graph_managers) == 2  # the recording pass ran on both drafting threads

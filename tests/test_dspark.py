@@ -326,19 +326,28 @@ def test_greedy_output_is_identical_with_dspark(arch, placement, passes, checkpo
 
 
 def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000, seed: int = 0,  # noqa: F811
-                      placement: str = "group", passes: int = 1, dtype: str = "float32") -> float:
+                      placement: str = "group", passes: int = 1, dtype: str = "float32", compile: str = "off") -> float:
     """Speculation with a random DSpark drafter over small_vocab's target, k drafts a round: the
     p-value of the output law against the target's (see test_speculative's law tests), after
     checking that rounds verifying all k drafts ran and that drafts were both accepted and rejected.
     dtype: model.dtype (the drafter serves in it too; the reference law stays the fp32 target's, which a
-    bf16 target of this peaky 8-token vocabulary matches far within the test's resolution)."""
+    bf16 target of this peaky 8-token vocabulary matches far within the test's resolution). compile on: model.compile
+    (the drafter's rounds compiled too), 16 rows a step (few buckets to compile), unseeded requests (a seeded
+    row drafts eager)."""
     draft = build_dspark(small_vocab["target"], tmp_path / "d", seed=5, layers=(0,), block_size=3, hidden=16, scale=2.0,
                          draft_passes=passes)
-    llm = LLM(small_vocab["target"], config={"model": {"dtype": dtype}, "scheduler": LAW_SCHED, "speculative": {
+    sched = LAW_SCHED if compile == "off" else {**LAW_SCHED, "max_num_seqs": 16}
+    llm = LLM(small_vocab["target"], config={"model": {"dtype": dtype, "compile": compile}, "scheduler": sched,
+                                             "speculative": {
         "method": "dspark", "draft_model": str(draft), "num_tokens": k, "schedule": "static", "placement": placement,
         "draft_passes": passes}})
     assert dspark_proposer(llm).model.fc.weight.dtype == getattr(torch, dtype)
-    spec = llm.generate([LAW_PROMPT] * n, seeded(n, seed, max_tokens=k + 2, top_p=top_p))
+    params = seeded(n, seed, max_tokens=k + 2, top_p=top_p) if compile == "off" else \
+        SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=k + 2, top_p=top_p)
+    torch.manual_seed(seed)  # (unseeded rows draw from the global generator, the compiled rounds' too: the same run)
+    spec = llm.generate([LAW_PROMPT] * n, params)
+    if compile != "off":  # the drafts came from compiled rounds with sampled rows
+        assert dspark_proposer(llm).compiled.sampled_rounds > 0
     stats = llm.engine.drafter.stats
     assert full_rounds(llm, k) >= n / 2, stats.proposed  # every first round verifies all k
     assert 0 < stats.accepted[k - 1] and sum(stats.accepted) < sum(stats.proposed)
@@ -348,15 +357,19 @@ def dspark_law_pvalue(small_vocab, tmp_path, k: int, top_p: float, n: int = 3000
     return p
 
 
-@pytest.mark.parametrize("k, top_p, placement, passes, dtype", [
-    (2, 1.0, "group", 1, "float32"), (3, 0.8, "group", 1, "float32"), (3, 0.8, "target", 1, "float32"),
-    (3, 1.0, "group", 2, "float32"), (3, 0.8, "group", 1, "bfloat16"), (3, 1.0, "target", 2, "bfloat16")])
-def test_dspark_sampling_is_lossless(k, top_p, placement, passes, dtype, small_vocab, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("k, top_p, placement, passes, dtype, compile", [
+    (2, 1.0, "group", 1, "float32", "off"), (3, 0.8, "group", 1, "float32", "off"),
+    (3, 0.8, "target", 1, "float32", "off"), (3, 1.0, "group", 2, "float32", "off"),
+    (3, 0.8, "group", 1, "bfloat16", "off"), (3, 1.0, "target", 2, "bfloat16", "off"),
+    (3, 1.0, "target", 2, "float32", "on")])
+def test_dspark_sampling_is_lossless(k, top_p, placement, passes, dtype, compile, small_vocab, tmp_path):  # noqa: F811
     """With the drafter on the target the draft law of a sampled row never crosses: the driver rank
     verifies against the law it kept. A two-pass drafter's later slots are drawn from the second forward's
     law, which the verifier must then use. A bf16 drafter draws from its law rounded to bf16, which is what
-    it ships and what the verifier renormalises."""
-    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement, passes=passes, dtype=dtype)
+    it ships and what the verifier renormalises. A compiled round draws inside its graph and ships the law it drew
+    from."""
+    p = dspark_law_pvalue(small_vocab, tmp_path, k, top_p, placement=placement, passes=passes, dtype=dtype,
+                          compile=compile)
     assert p > LAW_P, p
 
 

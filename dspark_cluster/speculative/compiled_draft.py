@@ -13,8 +13,13 @@ from the graph's inputs: the context length changes every token, the graphs neve
 at position 0) attend nothing, write no context row, and are dropped.
 
 The round computes every slot up to `num_tokens` and each row keeps its own k (a slot's draft and confidence read
-only the slots before it: the same as drafting k). Greedy rows only, with a confidence head: a round with a
-sampled row (its draft law, seeded races) runs eager, as does a batch past the largest bucket. The drafts are the
+only the slots before it: the same as drafting k). Greedy rows, and sampled rows at a temperature alone (no top-k or
+top-p, unseeded: the common API request), with a confidence head; a round with such sampled rows is a second
+variant of the function (its graphs compiled at the warm-up too) that also returns the draft law [rows, K, V] in
+the drafter's dtype and draws each slot by the exponential race inside the graph (the compiler's random stream:
+the same law, not the eager draws), the law copied out of the graphs' memory (a sampled row's law is held until
+the next step verifies it, and a CUDA graph's next replay overwrites its outputs). Seeded rows (per-row
+generators), top-k / top-p rows and batches past the largest bucket draft eager. The drafts are the
 eager round's up to the compiler's rounding (sums in another order; in 16 bits, intermediates the compiler keeps in
 fp32 across fused operations): near-ties may draft another token; speculation keeps the target's law whatever the
 drafts are.
@@ -22,7 +27,7 @@ drafts are.
     runner = CompiledDraft(proposer, buckets, num_tokens)
     runner.warm_up()                       compile every bucket (a padding-only round each)
     runner.applies(requests) -> bool
-    runner(requests, context, anchors) -> (tokens [B, K] long, confidences [B, K])
+    runner(requests, context, anchors) -> (tokens [B, K] long, confidences [B, K], laws [B, K, V] or None)
     runner.stats() -> dict
 """
 
@@ -40,6 +45,7 @@ import torch
 from ..model.attention import on_real_rows
 from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, _function_ids, allow_cuda_graph_sizes, bucket_of,
                               note_functions, step_buckets)
+from ..sampling import greedy_rows
 from .dspark_model import block_attention as _block_attention
 
 log = logging.getLogger(__name__)
@@ -111,7 +117,7 @@ class CompiledDraft:
         """proposer: the DSparkProposer whose rounds run here (its model and device; it passes each round's context);
         buckets: batch sizes (`draft_buckets`); num_tokens: the slots a round drafts (speculative.num_tokens: the most
         a row asks)."""
-        self.model, self.device = proposer.model, proposer.device
+        self.model, self.device, self.law_dtype = proposer.model, proposer.device, proposer.dtype
         self.buckets, self.num_tokens = list(buckets), int(num_tokens)
         c = self.model.c
         self.passes = c.draft_passes
@@ -128,9 +134,9 @@ class CompiledDraft:
             # (the packed weights, attributes of inlined modules, dynamo already treats as static; the Markov factors,
             # arguments, are marked so in `_inputs`: the graphs read them in place, kept in place by `load_trained`)
         self._static = ()  # the Markov factors marked static (made again in place; new tensors are marked again)
-        # a graph for one row and one for the larger buckets, per runner: past dynamo's limit of graphs a frame the
-        # rounds would run eager, silently
-        CompiledDraft.graphs_asked += 2
+        # a graph for one row and one for the larger buckets, greedy and sampled, per runner: past dynamo's limit of
+        # graphs a frame the rounds would run eager, silently
+        CompiledDraft.graphs_asked += 4
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDraft.graphs_asked + 1)
         self.fn = torch.compile(self._round, dynamic=False, options=options)
@@ -139,13 +145,14 @@ class CompiledDraft:
         self.records_cuda_graphs = self.device.type == "cuda"
         self.cuda_graph_managers, self.cuda_graphs_at_warm_up = {}, None
         self.cuda_graph_functions: dict = {}  # thread id -> this runner's functions in its manager (`note_functions`)
-        self.rounds = 0  # rounds run compiled
+        self.rounds = self.sampled_rounds = 0  # rounds run compiled, and of them those with sampled rows
 
     def applies(self, requests) -> bool:
-        """Greedy rows only, with a confidence head, at most the largest bucket of them, none asking more than
-        num_tokens."""
+        """With a confidence head, at most the largest bucket of rows, none asking more than num_tokens, each greedy
+        or sampled at a temperature alone (unseeded, no top-k / top-p)."""
         return (0 < len(requests) <= self.buckets[-1] and self.model.c.confidence_head
-                and all(r.temperature == 0 and r.k <= self.num_tokens for r in requests))
+                and all(r.k <= self.num_tokens and (r.temperature == 0 or (r.seed < 0 and r.top_k == 0
+                                                                            and r.top_p >= 1.0)) for r in requests))
 
     def _block(self, anchors, second, cos, sin):
         m = self.model
@@ -154,72 +161,90 @@ class CompiledDraft:
             x = layer(x, (cos, sin), None, None, None)
         return m.head(x)
 
-    def _round(self, anchors, cos, sin, w1, w2):
+    def _round(self, anchors, cos, sin, w1, w2, temperature=None):
         """The compiled function: anchors [Bp] long, cos / sin [Bp, S, 1, hd], the Markov factors w1 [V, r], w2 [r, V]
-        (or None) -> (tokens [Bp, K], raw confidences [Bp, K]), K = num_tokens (DSparkProposer.draft's greedy
-        round)."""
+        (or None), temperature [Bp] (None: every row greedy) -> (tokens [Bp, K], raw confidences [Bp, K], draft laws
+        [Bp, K, V] in the drafter's dtype or None), K = num_tokens (DSparkProposer.draft's round, whose arithmetic
+        it repeats: a sampled row's law is softmax(z / t), its token the race of that law's fp32 values)."""
         m, K = self.model, self.num_tokens
         hn, base = self._block(anchors, None, cos, sin)
         gates = m.markov_gates(hn)
-        prev, tokens, es = anchors, [], []
+        prev, tokens, es, laws = anchors, [], [], []
+        if temperature is not None:  # (filter_logits' temperature alone: greedy rows unscaled)
+            t = torch.where(greedy_rows(temperature), torch.ones_like(temperature), temperature)[:, None]
         for i in range(K):
             if i == 1 and self.passes == 2:  # slots 1.. from a block that holds slot 0's draft
                 hn2, base2 = self._block(anchors, tokens[0], cos, sin)
                 hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
                 gates = m.markov_gates(hn)
             e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
-            prev = (base[:, i] + bias).argmax(-1)
+            z = base[:, i] + bias
+            prev = z.argmax(-1)
+            if temperature is not None:
+                law = (z / t).softmax(-1).to(self.law_dtype)
+                q = law.float()
+                prev = torch.where(temperature == 0, prev, (q / torch.empty_like(q).exponential_()).argmax(-1))
+                laws.append(law)
             tokens.append(prev)
             es.append(e)
         conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
-        return torch.stack(tokens, 1), conf
+        return torch.stack(tokens, 1), conf, torch.stack(laws, 1) if laws else None
 
-    def _inputs(self, anchors, qpos, upto: int, Bp: int):
-        """The round's inputs padded to Bp rows: anchors, the rope of the block's positions qpos [B, S], and the
-        Markov factors (made again here, in place, after a version switch: outside the graph)."""
+    def _inputs(self, anchors, qpos, upto: int, Bp: int, temperature=None):
+        """The round's inputs padded to Bp rows: anchors, the rope of the block's positions qpos [B, S], the Markov
+        factors (made again here, in place, after a version switch: outside the graph) and the rows' temperatures
+        [B] (None: all greedy; padding rows greedy)."""
         B = anchors.shape[0]
         if Bp > B:
             anchors = torch.cat([anchors, anchors.new_zeros(Bp - B)])
             qpos = torch.cat([qpos, torch.arange(qpos.shape[1], device=qpos.device).expand(Bp - B, -1)])
+            if temperature is not None:
+                temperature = torch.cat([temperature, temperature.new_zeros(Bp - B)])
         cos, sin = self.model.rope(qpos, upto)
         if Bp > 1:  # one graph for every bucket past 1, the batch dynamic (as the target's steps)
-            for t in (anchors, cos, sin):
+            for t in (anchors, cos, sin) + (() if temperature is None else (temperature,)):
                 torch._dynamo.mark_dynamic(t, 0)
         w1, w2 = self.model.markov_factors()
         if self.device.type == "cuda" and w1 is not None and tuple(map(id, (w1, w2))) != self._static:
             for t in (w1, w2):  # read in place by the CUDA graphs, not copied in at each replay
                 torch._dynamo.mark_static_address(t)
             self._static = tuple(map(id, (w1, w2)))
-        return anchors, cos, sin, w1, w2
+        return anchors, cos, sin, w1, w2, temperature
 
     @torch.inference_mode()
     def __call__(self, requests, context, anchors):
-        """A greedy round of these requests (`applies`), context = `proposer.block_context(requests)`, anchors [B] on
-        the device -> (tokens [B, K], confidences [B, K]) (sigmoid of the head's logits), K = the most they ask."""
+        """A round of these requests (`applies`), context = `proposer.block_context(requests)`, anchors [B] on the
+        device -> (tokens [B, K], confidences [B, K] (sigmoid of the head's logits), draft laws [B, K, V] (a copy of
+        the graphs' output), or None where every row is greedy), K = the most they ask."""
         if self.records_cuda_graphs and threading.get_ident() not in self.cuda_graph_managers:
             self.record_cuda_graphs()
         qpos, mask, kv = context
         B = len(requests)
         upto = max(r.length for r in requests) - 1 + self.model.c.block_size
-        args = self._inputs(anchors, qpos, upto, bucket_of(B, self.buckets))
+        temperature = None
+        if any(r.temperature > 0 for r in requests):
+            temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=self.device)
+        args = self._inputs(anchors, qpos, upto, bucket_of(B, self.buckets), temperature)
         functions = _function_ids(self.device)
         with draft_context(DraftContext(B, kv, mask)):
-            tokens, conf = self.fn(*args)
+            tokens, conf, laws = self.fn(*args)
         note_functions(self.cuda_graph_functions, self.device, functions)  # (a graph recorded now is this runner's)
         self.rounds += 1
+        self.sampled_rounds += laws is not None
         K = max(r.k for r in requests)
-        return tokens[:B, :K], torch.sigmoid(conf[:B, :K])
+        return tokens[:B, :K], torch.sigmoid(conf[:B, :K]), None if laws is None else laws[:B, :K].clone()
 
     def _run_buckets(self, runs: int, on_bucket=None) -> None:
-        """Every bucket `runs` times with padding rows only."""
-        S = self.model.c.block_size
+        """Every bucket `runs` times with padding rows only, greedy and sampled."""
+        S, none = self.model.c.block_size, torch.zeros(0, dtype=torch.long, device=self.device)
         with draft_context(DraftContext(0, None, None)):
             for i, Bp in enumerate(self.buckets):
                 t = time.perf_counter()
-                args = self._inputs(torch.zeros(0, dtype=torch.long, device=self.device),
-                                    torch.zeros(0, S, dtype=torch.long, device=self.device), S, Bp)
-                for _ in range(runs):
-                    self.fn(*args)
+                for temperature in (None, torch.zeros(0, device=self.device)):
+                    args = self._inputs(none, torch.zeros(0, S, dtype=torch.long, device=self.device), S, Bp,
+                                        temperature)
+                    for _ in range(runs):
+                        self.fn(*args)
                 if on_bucket is not None:
                     on_bucket(i, Bp, time.perf_counter() - t)
 
@@ -250,7 +275,8 @@ class CompiledDraft:
     def stats(self) -> dict:
         graphs = _entries(self._round)
         return {"draft_compile_buckets": list(self.buckets), "draft_compile_warm_up_s": self.warm_up_s,
-                "draft_compile_rounds": self.rounds, "draft_compile_warm_up_graphs": self.warm_up_graphs,
+                "draft_compile_rounds": self.rounds, "draft_compile_sampled_rounds": self.sampled_rounds,
+                "draft_compile_warm_up_graphs": self.warm_up_graphs,
                 # (the graphs of the round's frame, every runner's in this process: the recompiles after the warm-up
                 # are an upper bound of this runner's)
                 "draft_compile_graphs": graphs, "draft_compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None

@@ -400,9 +400,8 @@ class DSparkProposer:
         m, dev = self.model, self.device
         context = self.block_context(reqs)
         anchors = torch.tensor([r.anchor for r in reqs], device=dev)
-        if self.compiled is not None and self.compiled.applies(reqs):  # greedy, in graphs (no law to ship)
-            tokens, confs = self.compiled(reqs, context, anchors)
-            return active, (tokens, confs, None)
+        if self.compiled is not None and self.compiled.applies(reqs):  # in graphs
+            return active, self.compiled(reqs, context, anchors)
         hn, base = self.block_forward(reqs, context=context, anchors=anchors)
         w1, w2 = m.markov_factors()
         gates = m.markov_gates(hn)  # [B, block, r] or None
