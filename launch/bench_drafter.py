@@ -2,12 +2,12 @@
 block passes (context rows ingested from random target states, so no target runs), one thread.
 
     python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--dtypes float32]
-        [--compile] [--json OUT]
+        [--compile] [--temperature T] [--json OUT]
     python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
         -- launch/bench_drafter.py --json {json}
 
 Each sequence's context is 40-400 rows (drawn once, seed 0), the drafter the bundled tiny-dspark (or
---drafter), greedy, k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
+--drafter), greedy (or at --temperature, unseeded), k = --k; median of --iters proposals after 5 warm-up ones (on CUDA each timed to the
 device's end). --dtypes: the target's model.dtype, which the drafter serves in (keys b<B>_p<P>[_<dtype>], no
 suffix for float32); ops_a_round: the tensor operations of a serving round (4 new context rows a sequence, then
 a proposal). --compile: also the same proposals through a drafter whose greedy rounds are compiled
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto: cuda where available, else cpu")
     ap.add_argument("--dtypes", default="float32", help="model.dtype: the drafter serves in the target's dtype")
     ap.add_argument("--compile", action="store_true", help="also a compiled drafter's rounds (compiled_draft)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the rows' temperature (0: greedy; unseeded)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -92,7 +93,8 @@ def main() -> None:
                 rows = torch.randn(n, prop.model.fc.in_features, generator=g).to(device)
                 for p in props:
                     p.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), rows))
-                reqs.append(DraftRequest(sid, torch.randint(2, spec.vocab_size, (n + 1,), generator=g).tolist(), args.k))
+                reqs.append(DraftRequest(sid, torch.randint(2, spec.vocab_size, (n + 1,), generator=g).tolist(), args.k,
+                                         args.temperature))
             sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
             for _ in range(5):
                 for p in props:
