@@ -58,7 +58,9 @@ Checks (`--only NAME,...` runs a subset):
                drafted) and the 3-token joint against the target's exact law as the engine computes
                it in the run's dtype (every continuation scored by prompt_logprobs; the
                non-speculative run is the control), a two-sample test against that control run,
-               and (reported) the fit to transformers-fp32's law.
+               and (reported) the fit to transformers-fp32's law; and dspark with model.compile on
+               and unseeded rows, which the drafter's compiled rounds draw inside their (CUDA)
+               graphs: the same tests, and such rounds must have run.
   grouped_mm   the MoE expert path: with skewed routing run_experts takes torch._grouped_mm (on
                CUDA in bf16 it must, not the per-slot loop fallback; on the CPU with this many rows a
                slot, oneDNN slot by slot) and agrees with a per-expert fp32 loop reference; the
@@ -625,15 +627,23 @@ def check_spec_law(args, tmp) -> dict:
     V = hf_law.shape[0]
     sched = {"block_size": 4, "num_kv_blocks": 2048, "max_num_seqs": 512, "max_num_batched_tokens": 8192}
     law = engine_law(target, prompt, args.dtype, args.device, sched, V)
-    runs = {"none": None, "draft_model": spec_cfg("draft_model", poor, 2), "dspark": spec_cfg("dspark", dspark, 2)}
+    # dspark_compiled: model.compile on (CUDA graphs on CUDA), unseeded rows, which the drafter's compiled rounds draw in
+    # their graphs (the compiler's random stream under CUDA-graph replays: it must advance at every replay)
+    runs = {"none": None, "draft_model": spec_cfg("draft_model", poor, 2), "dspark": spec_cfg("dspark", dspark, 2),
+            "dspark_compiled": spec_cfg("dspark", dspark, 2)}
     res = {"n": n, "prompt": prompt, "runs": {},
            "law_max_abs_diff_vs_transformers_fp32": float((law / law.sum() - hf_law).abs().max())}
     rows, ok, samples = [], True, {}
     for i, (name, sp) in enumerate(runs.items()):
-        params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=100_000 * (i + 1) + j)
-                  for j in range(n)]  # seeded per request, each run its own seeds
-        with make_llm(target, args.dtype, args.device, scheduler=sched, speculative=sp) as llm:
+        compiled = name == "dspark_compiled"
+        params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=None if compiled
+                                 else 100_000 * (i + 1) + j) for j in range(n)]  # seeded per request, each run its own
+        torch.manual_seed(100_000 * (i + 1))  # (unseeded rows draw from the global generator)
+        with make_llm(target, args.dtype, args.device, speculative=sp, compile_mode="on" if compiled else "off",
+                      scheduler={**sched, "max_num_seqs": 16} if compiled else sched) as llm:  # (few buckets)
             outs = llm.generate([prompt] * n, params)
+            sampled_rounds = llm.engine.executor.worker.drafter.compile_stats().get(
+                "draft_compile_sampled_rounds", 0) if compiled else None
         toks = torch.tensor([o.token_ids[:3] for o in outs])
         joint = torch.zeros(V ** 3, dtype=torch.float64).index_add_(
             0, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], torch.ones(n, dtype=torch.float64))
@@ -653,6 +663,9 @@ def check_spec_law(args, tmp) -> dict:
             r["p_two_sample_vs_none"] = two_sample_pvalue(samples["none"], samples[name])
             # speculation really ran (at most one draft fits before the 3rd token) and was sometimes rejected
             passed &= drafted > n / 20 and 0 < accepted < drafted and r["p_two_sample_vs_none"] > P_MIN
+        if compiled:  # the drafts came from compiled rounds that drew sampled rows
+            r["draft_compile_sampled_rounds"] = sampled_rounds
+            passed &= sampled_rounds > 0
         r["passed"] = bool(passed)
         ok &= r["passed"]
         res["runs"][name] = r

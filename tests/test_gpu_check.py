@@ -69,7 +69,8 @@ def test_gpu_check_passes_on_cpu_small(tmp_path):
     assert idle["compile"]["compile_warm_up_graphs"] == idle["compile"]["compile_graphs_expected"] == 4  # 2 a capture
 
     law = checks["spec_law"]["runs"]
-    assert set(law) == {"none", "draft_model", "dspark"}
+    assert set(law) == {"none", "draft_model", "dspark", "dspark_compiled"}
+    assert law["dspark_compiled"]["draft_compile_sampled_rounds"] > 0  # unseeded rows drawn in the compiled rounds
     for name, r in law.items():
         assert min(r["p_first"], r["p_second"], r["p_joint"]) > 1e-4, name
     assert law["dspark"]["num_draft_tokens"] > 0 and law["dspark"]["p_two_sample_vs_none"] > 1e-4
