@@ -218,12 +218,17 @@ class Worker:
             "reordered_weight_bytes": getattr(self.model, "reordered_bytes", 0),  # the CPU's oneDNN copies (gemm.py)
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
-            # the target's steps' and the drafter's rounds' (placement target), where model.compile is on
-            "compile": None if self.compiled is None else {
-                **self.compiled.stats(), **(self.drafter.compile_stats() if self.drafter is not None else {})},
+            "compile": self.compile_stats(),
             **(self.stash.report() if self.stash is not None else {}),
             **(self.drafter.memory_report() if self.drafter is not None else {}),
         }
+
+    def compile_stats(self) -> dict | None:
+        """model.compile's stats: the target's steps' and, with the drafter on the target, its rounds' (None: compile
+        off)."""
+        if self.compiled is None:
+            return None
+        return {**self.compiled.stats(), **(self.drafter.compile_stats() if self.drafter is not None else {})}
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot() if self.state is not None else {}

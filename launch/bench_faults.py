@@ -38,9 +38,12 @@ from dspark_cluster.report import machine_info  # noqa: E402
 
 
 def worker_pids() -> list[int]:
-    from ray.util.state import list_actors
+    """The ALIVE ShardWorkers of the Ray this process is connected to, from its GCS (`list_actors()` without an
+    address asks the instance started last on the machine, which need not be this one)."""
+    from ray._private.state import state as gcs
 
-    return [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+    return [a["Pid"] for a in gcs.actor_table(None, actor_state_name="ALIVE").values()
+            if a["ActorClassName"] == "ShardWorker"]
 
 
 async def stream_all(client: EngineClient, prompts, params):

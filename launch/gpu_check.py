@@ -481,15 +481,6 @@ def idle_stretches(llm, pattern) -> None:
     planner.verify_lengths = lambda raw, *a: (~np.isnan(raw)).sum(1)
 
 
-def compile_stats(llm):
-    """The in-process target worker's model.compile stats, with its drafter's compiled rounds' where a DSpark
-    drafter runs beside it (None: compile off there)."""
-    worker = llm.engine.executor.worker
-    if worker.compiled is None:
-        return None
-    return {**worker.compiled.stats(), **(worker.drafter.compile_stats() if worker.drafter is not None else {})}
-
-
 def compile_faults(stats) -> list:
     """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up, skipped
     CUDA graphs, a warm-up that compiled more graphs than expected (graph breaks, a batch size specialised; fewer
@@ -545,7 +536,7 @@ def check_speculative(args, tmp) -> dict:
                     outs = llm.generate(prompts, greedy)
                     if mode != "off":
                         worker = llm.engine.executor.worker
-                        compiled = compile_stats(llm)
+                        compiled = llm.engine.executor.worker.compile_stats()
                         flushes = worker.stash.flushes if worker.stash is not None else 0
                 drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
                 accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -900,7 +891,7 @@ def check_decode(args, tmp) -> dict:
                 rows.append([f"{B} (compile {mode})", r["decode_tok_s"], r["step_ms"], r["forward_ms"], r["roofline_ms"],
                              r["x_roofline"], r["active_experts_per_layer"], weight_read / 1e6, kv_read / 1e6])
             if mode != "off":
-                res[f"compile_{mode}"] = compile_stats(llm)
+                res[f"compile_{mode}"] = llm.engine.executor.worker.compile_stats()
                 res[f"compile_{mode}_faults"] = compile_faults(res[f"compile_{mode}"])
         finally:
             llm.shutdown()
@@ -923,7 +914,7 @@ def check_decode(args, tmp) -> dict:
             llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
             record.clear()
             llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-            compiled = compile_stats(llm)
+            compiled = llm.engine.executor.worker.compile_stats()
         if torch.device(dev).type == "cuda":
             torch.cuda.empty_cache()
         times = [r["t1"] - r["t0"] for r in record if r["drafted"] and r["rows"] == 1]

@@ -164,10 +164,21 @@ def _no_placement_group_left():
         pytest.fail(f"placement groups left by this module (removed now): {leaked}")
 
 
-def alive_actors(class_name: str) -> int:
-    from ray.util.state import list_actors
+def alive_actor_pids(class_name: str) -> list[int]:
+    """The pids of the ALIVE actors of `class_name` in the Ray instance this process is connected to (the
+    session's `ray_cluster`), read from its GCS. Not `ray.util.state.list_actors()`: without an address it
+    asks the Ray instance started *last on this machine* (/tmp/ray/ray_current_cluster), through that
+    instance's dashboard: with another test run's cluster up beside this one it lists that run's actors (a
+    kill -9 test then kills another run's workers and none of its own), or raises when that instance has
+    no dashboard (port 8265 was taken when it started)."""
+    from ray._private.state import state as gcs
 
-    return sum(1 for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == class_name)
+    return [a["Pid"] for a in gcs.actor_table(None, actor_state_name="ALIVE").values()
+            if a["ActorClassName"] == class_name]
+
+
+def alive_actors(class_name: str) -> int:
+    return len(alive_actor_pids(class_name))
 
 
 def build_dspark(target_path, out_dir, **kw):

@@ -15,7 +15,7 @@ import pytest
 from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
 from dspark_cluster.model import gemm
 
-from conftest import dspark_proposer, random_prompts
+from conftest import alive_actor_pids, dspark_proposer, random_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -176,13 +176,13 @@ def test_kill_9_of_the_worker_that_hosts_the_drafter_loses_nothing(target, draft
     """The drafter's state dies with its worker: the Router restarts the workers, re-runs the requests
     in flight, and drafting resumes on the new driver rank; outputs are plain decoding's."""
     import ray
-    from ray.util.state import list_actors
 
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in LLM(target, config={"scheduler": {"block_size": 4}}).generate(prompts, params)]
     llm = LLM(target, config=target_config(drafter, executor="ray"))
     try:
-        pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+        pids = alive_actor_pids("ShardWorker")
+        assert pids, "no ShardWorker alive in this session's Ray"  # (kill nothing, and restarts == 0 says why)
         ref = llm.router.generate.remote(prompts, [params] * len(prompts))
         deadline = time.monotonic() + 60
         while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun

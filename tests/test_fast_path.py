@@ -593,6 +593,25 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     managers = {7: manager, 8: None}
     assert compiled._cuda_graphs(managers, {7: {"a1", "a2"}}) == 2
     assert compiled._cuda_graphs(managers, {7: {"d1", "d2"}, 8: {"a1"}}) == 3
+    # a runner's functions are those its calls registered past the mark it took before them (a manager only adds)
+    import threading
+
+    cuda, fake = torch.device("cuda"), NS(ids_to_funcs={})
+    monkeypatch.setattr(compiled, "_cuda_graph_manager", lambda device: fake if device.type == "cuda" else None)
+    mine: dict = {}
+    mark = compiled.functions_mark(cuda)
+    compiled.note_functions(mine, cuda, mark)
+    assert mark == 0 and mine == {}  # nothing new: nothing noted
+    fake.ids_to_funcs.update(a1=1, a2=2)
+    compiled.note_functions(mine, cuda, mark)
+    mark = compiled.functions_mark(cuda)
+    fake.ids_to_funcs.update(d1=3)  # another runner's, between two calls of this one
+    mark_next = compiled.functions_mark(cuda)  # this runner's next call
+    fake.ids_to_funcs.update(a3=4)
+    compiled.note_functions(mine, cuda, mark_next)
+    assert mark == 2 and mine == {threading.get_ident(): {"a1", "a2", "a3"}}
+    compiled.note_functions(mine, torch.device("cpu"), 0)  # nothing off CUDA
+    assert mine == {threading.get_ident(): {"a1", "a2", "a3"}}
 
 
 def test_an_idle_group_reports_no_load_of_its_own():

@@ -18,7 +18,7 @@ from dspark_cluster.engine import LLMEngine
 from dspark_cluster.executor import LocalExecutor
 from dspark_cluster.errors import CheckpointError, EngineError, RequestError, StepError, WorkerError
 
-from conftest import random_prompts
+from conftest import alive_actor_pids, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -275,9 +275,7 @@ def test_a_transposed_split_tensor_is_refused_by_name(checkpoint, tmp_path):
 
 
 def shard_worker_pids() -> list[int]:
-    from ray.util.state import list_actors
-
-    return [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+    return alive_actor_pids("ShardWorker")  # this session's Ray only (conftest.alive_actor_pids says why)
 
 
 def test_kill_9_of_a_shard_worker_mid_stream_loses_nothing(checkpoint, ray_cluster):

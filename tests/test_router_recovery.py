@@ -13,7 +13,7 @@ from dspark_cluster import LLM, RequestError, SamplingParams, load_config
 from dspark_cluster.errors import EngineError
 from dspark_cluster.async_engine import AsyncEngine
 
-from conftest import random_prompts
+from conftest import alive_actor_pids, random_prompts
 
 TINY = "tiny-moe"  # the bundled model: a real tokenizer, so text and stop strings are in play
 
@@ -64,9 +64,7 @@ def test_a_resumed_request_continues_after_the_tokens_it_has():
 
 
 def shard_worker_pids() -> list[int]:
-    from ray.util.state import list_actors
-
-    return [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "ShardWorker")])]
+    return alive_actor_pids("ShardWorker")  # this session's Ray only (conftest.alive_actor_pids says why)
 
 
 def _placement_groups_of(actor_id: str) -> list:

@@ -33,6 +33,7 @@ states, which the context stash holds across idle steps) is copied out.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import threading
 import time
@@ -105,21 +106,25 @@ def _cuda_graph_manager(device: torch.device):
         return None
 
 
-def _function_ids(device: torch.device) -> set:
-    """The compiled functions (ids) this thread's CUDA graph tree manager holds (none off CUDA, before any graph)."""
+def functions_mark(device: torch.device) -> int:
+    """How many compiled functions this thread's CUDA graph tree manager holds (0 off CUDA, before any graph): what
+    `note_functions` reads past (a manager only adds functions, in order; one len a call, not a set)."""
     manager = _cuda_graph_manager(device)  # (None off CUDA, at once)
-    return set(getattr(manager, "ids_to_funcs", None) or ()) if manager is not None else set()
+    return len(getattr(manager, "ids_to_funcs", None) or ()) if manager is not None else 0
 
 
-def note_functions(functions: dict, device: torch.device, before: set) -> None:
+def note_functions(functions: dict, device: torch.device, mark: int) -> None:
     """After a runner's graphs ran on this thread (its warm-up, its recording pass, or a call: calls on a thread are
-    sequential): the functions they registered with the thread's tree manager beyond `before` (each size of a graph
-    recorded is one, and so is a recompiled graph's) are the runner's (functions: thread id -> ids). The target's steps
-    and a drafter's rounds share each thread's manager: each counts its own graphs. Nothing off CUDA."""
+    sequential): the functions they registered with the thread's tree manager past `mark` (`functions_mark` before
+    they ran; each size of a graph recorded is one, and so is a recompiled graph's) are the runner's (functions:
+    thread id -> ids). The target's steps and a drafter's rounds share each thread's manager: each counts its own
+    graphs. Nothing off CUDA."""
     if device.type != "cuda":
         return
-    tid = threading.get_ident()
-    functions[tid] = functions.get(tid, set()) | (_function_ids(device) - before)
+    ids = getattr(_cuda_graph_manager(device), "ids_to_funcs", None) or {}
+    if len(ids) > mark:
+        tid = threading.get_ident()
+        functions[tid] = functions.get(tid, set()) | set(itertools.islice(ids, mark, None))
 
 
 def _cuda_graphs(managers: dict, functions: dict) -> int:
@@ -237,11 +242,11 @@ class CompiledSteps:
         T = step.input_ids.numel()
         positions, meta = build_metadata(step.query_lens, step.context_lens, step.block_tables, step.block_size)
         ids, positions, real = self._padded(step.input_ids, positions, T)
-        functions = _function_ids(self.device)
+        mark = functions_mark(self.device)
         with step_context(meta.to(self.device, self.model.lm_head.weight.dtype)):
             hidden = self.fn(ids, positions, None, capture, real)
         # (a graph recorded now, a size or a recompile the passes did not see, is a new function: this runner's)
-        note_functions(self.cuda_graph_functions, self.device, functions)
+        note_functions(self.cuda_graph_functions, self.device, mark)
         self.steps += 1
         self.verify_steps += step.num_draft is not None and bool(step.num_draft.any())
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
@@ -272,7 +277,7 @@ class CompiledSteps:
         (`record_cuda_graphs`): inductor's graph trees are per thread, and a Ray worker's steps run on its compiled
         graph's loop thread, not on the thread that warms it up; graphs recorded here would hold memory no step
         replays."""
-        t0, functions = time.perf_counter(), _function_ids(self.device)
+        t0, mark = time.perf_counter(), functions_mark(self.device)
         if self.device.type == "cuda":
             self.cuda_graph_skips_before = _counter("inductor", "cudagraph_skips")
         self.warm_up_graphs_by_bucket = []
@@ -281,7 +286,7 @@ class CompiledSteps:
             self.warm_up_graphs_by_bucket.append(graphs)
             log.info("model.compile: bucket of %d tokens (%d/%d) in %.1f s", Tp, i + 1, len(self.buckets), seconds)
         self._run_buckets(1, progress)
-        note_functions(self.cuda_graph_functions, self.device, functions)
+        note_functions(self.cuda_graph_functions, self.device, mark)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
@@ -299,9 +304,9 @@ class CompiledSteps:
         """Record this thread's CUDA graphs of every bucket and capture: two runs each (a graph tree warms a size up
         on its first run and records it on its second), before the thread's first step; the graphs recorded after
         it (`compile_cuda_graphs_after_warm_up`) should stay none."""
-        t0, functions = time.perf_counter(), _function_ids(self.device)
+        t0, mark = time.perf_counter(), functions_mark(self.device)
         self._run_buckets(2)
-        note_functions(self.cuda_graph_functions, self.device, functions)
+        note_functions(self.cuda_graph_functions, self.device, mark)
         self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
         self.cuda_graphs_at_warm_up = self.cuda_graphs()
         self.record_s += time.perf_counter() - t0

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from ..model.attention import on_real_rows
-from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, _function_ids, allow_cuda_graph_sizes, bucket_of,
+from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, allow_cuda_graph_sizes, bucket_of, functions_mark,
                               note_functions, step_buckets)
 from ..sampling import greedy_rows
 from .dspark_model import block_attention as _block_attention
@@ -91,6 +91,11 @@ torch.library.custom_op("dspark::block_attention", _block_attention_op, mutates_
     lambda q, k, v, layer: q.new_empty(q.shape))
 
 
+def _attend_by_op(layer: int) -> tuple:
+    """A compiled round's layers attend through `dspark::block_attention` (`DSparkLayer.forward` with no context)."""
+    return None, None, None
+
+
 # The most rows a compiled round takes (larger rounds run eager, their launches shared by many rows): a round holds
 # its block's base logits, [rows, block_size, V] in fp32 (two of them with two passes), in the graphs' memory, outside
 # the KV plan: at DeepSeek-V3's 129k vocabulary and a block of 7, 64 rows are 230 MB a pass
@@ -119,8 +124,6 @@ class CompiledDraft:
         a row asks)."""
         self.model, self.device, self.law_dtype = proposer.model, proposer.device, proposer.dtype
         self.buckets, self.num_tokens = list(buckets), int(num_tokens)
-        c = self.model.c
-        self.passes = c.draft_passes
         options = None
         config = torch._inductor.config
         if self.device.type == "cuda" and not hasattr(config, "graph_partition"):
@@ -154,41 +157,26 @@ class CompiledDraft:
                 and all(r.k <= self.num_tokens and (r.temperature == 0 or (r.seed < 0 and r.top_k == 0
                                                                             and r.top_p >= 1.0)) for r in requests))
 
-    def _block(self, anchors, second, cos, sin):
-        m = self.model
-        x = m.block_input(anchors, m.c.block_size, second)
-        for layer in m.layers:
-            x = layer(x, (cos, sin), None, None, None)
-        return m.head(x)
-
     def _round(self, anchors, cos, sin, w1, w2, temperature=None):
         """The compiled function: anchors [Bp] long, cos / sin [Bp, S, 1, hd], the Markov factors w1 [V, r], w2 [r, V]
         (or None), temperature [Bp] (None: every row greedy) -> (tokens [Bp, K], raw confidences [Bp, K], draft laws
-        [Bp, K, V] in the drafter's dtype or None), K = num_tokens (DSparkProposer.draft's round, whose arithmetic
-        it repeats: a sampled row's law is softmax(z / t), its token the race of that law's fp32 values)."""
-        m, K = self.model, self.num_tokens
-        hn, base = self._block(anchors, None, cos, sin)
-        gates = m.markov_gates(hn)
-        prev, tokens, es, laws = anchors, [], [], []
+        [Bp, K, V] in the drafter's dtype or None), K = num_tokens: the eager round's `draft_slots`, attention the
+        op (a sampled row's law is softmax(z / t), its token the race of that law's fp32 values)."""
+        m = self.model
         if temperature is not None:  # (filter_logits' temperature alone: greedy rows unscaled)
             t = torch.where(greedy_rows(temperature), torch.ones_like(temperature), temperature)[:, None]
-        for i in range(K):
-            if i == 1 and self.passes == 2:  # slots 1.. from a block that holds slot 0's draft
-                hn2, base2 = self._block(anchors, tokens[0], cos, sin)
-                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
-                gates = m.markov_gates(hn)
-            e, bias = m.markov_bias(prev, w1, w2, None if gates is None else gates[:, i])
-            z = base[:, i] + bias
-            prev = z.argmax(-1)
-            if temperature is not None:
-                law = (z / t).softmax(-1).to(self.law_dtype)
-                q = law.float()
-                prev = torch.where(temperature == 0, prev, (q / torch.empty_like(q).exponential_()).argmax(-1))
-                laws.append(law)
-            tokens.append(prev)
-            es.append(e)
-        conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
-        return torch.stack(tokens, 1), conf, torch.stack(laws, 1) if laws else None
+
+        def choose(i, z):
+            tok = z.argmax(-1)
+            if temperature is None:
+                return tok, None
+            law = (z / t).softmax(-1).to(self.law_dtype)
+            q = law.float()
+            return torch.where(temperature == 0, tok, (q / torch.empty_like(q).exponential_()).argmax(-1)), law
+
+        tokens, _, laws, conf = m.draft_slots(lambda second: m.block_pass(anchors, (cos, sin), _attend_by_op, second),
+                                              anchors, w1, w2, self.num_tokens, choose)
+        return tokens, conf, torch.stack(laws, 1) if laws else None
 
     def _inputs(self, anchors, qpos, upto: int, Bp: int, temperature=None):
         """The round's inputs padded to Bp rows: anchors, the rope of the block's positions qpos [B, S], the Markov
@@ -225,10 +213,10 @@ class CompiledDraft:
         if any(r.temperature > 0 for r in requests):
             temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=self.device)
         args = self._inputs(anchors, qpos, upto, bucket_of(B, self.buckets), temperature)
-        functions = _function_ids(self.device)
+        mark = functions_mark(self.device)
         with draft_context(DraftContext(B, kv, mask)):
             tokens, conf, laws = self.fn(*args)
-        note_functions(self.cuda_graph_functions, self.device, functions)  # (a graph recorded now is this runner's)
+        note_functions(self.cuda_graph_functions, self.device, mark)  # (a graph recorded now is this runner's)
         self.rounds += 1
         self.sampled_rounds += laws is not None
         K = max(r.k for r in requests)
@@ -252,10 +240,10 @@ class CompiledDraft:
     def warm_up(self) -> None:
         """Compile every bucket now (a graph for one row and one for the rest); on CUDA the thread that drafts
         records its CUDA graphs before its first round (`record_cuda_graphs`), as the target's steps do."""
-        t0, before, functions = time.perf_counter(), _entries(self._round), _function_ids(self.device)
+        t0, before, mark = time.perf_counter(), _entries(self._round), functions_mark(self.device)
         self._run_buckets(1, lambda i, Bp, s: log.info("model.compile: the drafter's round of %d rows (%d/%d) in "
                                                        "%.1f s", Bp, i + 1, len(self.buckets), s))
-        note_functions(self.cuda_graph_functions, self.device, functions)
+        note_functions(self.cuda_graph_functions, self.device, mark)
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _entries(self._round)
         self.warm_up_graphs = self.graphs_at_warm_up - before
@@ -265,9 +253,9 @@ class CompiledDraft:
     @torch.inference_mode()
     def record_cuda_graphs(self) -> None:
         """This thread's CUDA graphs of every bucket (two runs each: a graph tree warms a size up, then records)."""
-        t0, functions = time.perf_counter(), _function_ids(self.device)
+        t0, mark = time.perf_counter(), functions_mark(self.device)
         self._run_buckets(2)
-        note_functions(self.cuda_graph_functions, self.device, functions)
+        note_functions(self.cuda_graph_functions, self.device, mark)
         self.cuda_graph_managers[threading.get_ident()] = _cuda_graph_manager(self.device)
         self.cuda_graphs_at_warm_up = _cuda_graphs(self.cuda_graph_managers, self.cuda_graph_functions)
         self.record_s += time.perf_counter() - t0

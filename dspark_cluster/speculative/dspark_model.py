@@ -334,6 +334,52 @@ class DSparkDrafter(nn.Module):
         hn = self.norm(h)
         return hn, _fp32(linear(self.out_norm(self.out_proj(hn)), self.lm_head))
 
+    def block_pass(self, anchors, rope, attend, second=None):
+        """One backbone pass over blocks, the computation every user of the drafter shares (serving eager and
+        compiled, training, the calibrator's replayed rounds). anchors [B] token ids, a block a row, or [B, A]: A
+        blocks of a row side by side (training); rope: the (cos, sin) of the block rows' positions (`rope`);
+        attend(layer_index) -> that layer's (ctx_k, ctx_v, mask[, in_place]) for `DSparkLayer.forward`; second:
+        slot 1's tokens (shaped as anchors) where >= 0 (a second pass), or None -> (normed final rows [..., S, d],
+        base logits [..., S, V] fp32), S = block_size."""
+        S, shape = self.c.block_size, anchors.shape
+        if len(shape) == 2:
+            anchors, second = anchors.reshape(-1), None if second is None else second.reshape(-1)
+        x = self.block_input(anchors, S, second)
+        if len(shape) == 2:
+            x = x.view(shape[0], shape[1] * S, -1)
+        for layer in self.layers:
+            x = layer(x, rope, *attend(layer.index))
+        return self.head(x if len(shape) == 1 else x.view(*shape, S, -1))
+
+    def draft_slots(self, block, anchors, w1, w2, num_tokens: int, choose):
+        """A serving round's drafts, left to right through the Markov head (eager and compiled rounds alike).
+        block(second) -> (hn [B, S, d], base [B, S, V]): a `block_pass` of the round's rows (second: slot 1's tokens,
+        for the second pass), anchors [B], w1 / w2 the Markov factors (`markov_factors`), choose(i, z) -> (slot i's
+        tokens [B], its law [B, V] or None) from slot i's corrected logits z [B, V] -> (tokens [B, K], the logits
+        [K x [B, V]], the laws choose gave [K x [B, V]] or [], raw confidence logits [B, K] or None), K =
+        num_tokens."""
+        hn, base = block(None)
+        gates = self.markov_gates(hn)  # [B, S, r] or None
+        # each slot's base logits and gate: one unbind, not a select per slot
+        base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
+        prev, tokens, zs, laws, es = anchors, [], [], [], []
+        for i in range(num_tokens):  # the backbone ran once, or twice
+            if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
+                hn2, base2 = block(tokens[0])
+                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
+                gates = self.markov_gates(hn)
+                base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
+            e, bias = self.markov_bias(prev, w1, w2, None if gates_i is None else gates_i[i])
+            z = base_i[i] + bias
+            prev, law = choose(i, z)
+            tokens.append(prev)
+            zs.append(z)
+            es.append(e)
+            if law is not None:
+                laws.append(law)
+        conf = self.confidence_logit(hn[:, :num_tokens], torch.stack(es, 1) if es[0] is not None else None)
+        return torch.stack(tokens, 1), zs, laws, conf
+
     def markov_factors(self):
         """W1 [V, r], W2 [r, V] (materialised and cached when not training)."""
         if not self.c.markov_rank:
@@ -392,8 +438,7 @@ class DSparkDrafter(nn.Module):
         ctx_pos = torch.arange(T, device=dev).expand(B, T)
         second = None
         if second_pass is not None:
-            second = torch.where(second_pass, tokens.gather(1, (anchors + 1).clamp(max=T - 1)), -1).reshape(-1)
-        x = self.block_input(tokens.gather(1, anchors).reshape(-1), S, second).view(B, A * S, -1)
+            second = torch.where(second_pass, tokens.gather(1, (anchors + 1).clamp(max=T - 1)), -1)
         slot = torch.arange(S, device=dev)
         qpos = (anchors[:, :, None] + slot).reshape(B, A * S)
         # a block's slot sees the context strictly before its anchor, and its own block
@@ -402,19 +447,16 @@ class DSparkDrafter(nn.Module):
         see_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
         mask = torch.cat([see_ctx, see_blk], dim=2)
         ctx_rope, q_rope = self.rope(ctx_pos), self.rope(qpos)
-        for layer in self.layers:
-            ck, cv = layer.context_kv(ctx, ctx_rope)
-            x = layer(x, q_rope, ck, cv, mask)
-        hn, base = self.head(x.view(B, A, S, -1))
+        hn, base = self.block_pass(tokens.gather(1, anchors), q_rope,
+                                   lambda i: (*self.layers[i].context_kv(ctx, ctx_rope), mask), second)
         prev = tokens.gather(1, qpos.clamp(max=T - 1)).view(B, A, S)  # teacher forcing: the true token before
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
 
-
     # ---- online calibration: recorded verify rounds, several per sequence over one context ----
     def forward_rounds(self, target_hidden, ctx_pos, ctx_valid, anchors, anchor_pos, prev, window=None):
-        """The serving computation (block_forward + the Markov head) for A recorded rounds of each
+        """The serving computation (`block_pass` + the Markov head) for A recorded rounds of each
         of B sequences, with gradients; each sequence's context keys/values are computed once for
         all its rounds. target_hidden [B, C, n_layers * H_target] context rows (padded), ctx_pos
         [B, C] their positions, ctx_valid [B, C] bool; anchors [B, A] token ids at anchor_pos [B, A];
@@ -433,16 +475,9 @@ class DSparkDrafter(nn.Module):
         mask = torch.cat([see_ctx, (blk[:, None] == blk[None, :]).expand(B, -1, -1)], dim=2)
         ctx_rope, q_rope = self.rope(ctx_pos), self.rope(qpos)
         kv = [layer.context_kv(ctx, ctx_rope) for layer in self.layers]
-
-        def block(second=None):
-            x = self.block_input(anchors.reshape(-1), S, second).view(B, A * S, -1)
-            for layer, (ck, cv) in zip(self.layers, kv):
-                x = layer(x, q_rope, ck, cv, mask)
-            return self.head(x.view(B, A, S, -1))
-
-        hn, base = block()
+        hn, base = self.block_pass(anchors, q_rope, lambda i: (*kv[i], mask))
         if self.c.draft_passes == 2:  # slots 1.. from the pass that holds slot 0's draft (prev's slot 1)
-            hn2, base2 = block(prev[:, :, 1].reshape(-1))
+            hn2, base2 = self.block_pass(anchors, q_rope, lambda i: (*kv[i], mask), prev[:, :, 1])
             hn, base = torch.cat([hn[:, :, :1], hn2[:, :, 1:]], 2), torch.cat([base[:, :, :1], base2[:, :, 1:]], 2)
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))

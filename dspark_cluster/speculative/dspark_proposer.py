@@ -352,16 +352,17 @@ class DSparkProposer:
         fewer mask slots would change what the trained slots see. second [B]: slot 1's tokens (a
         second pass: the drafts at slot 0), or None (a mask). context: `block_context(requests)`, and
         anchors: the requests' anchor tokens [B] on the device, when the caller has them already."""
-        m = self.model
-        qpos, mask, kv = context if context is not None else self.block_context(requests)
         if anchors is None:
             anchors = torch.tensor([r.anchor for r in requests], device=self.device)
-        x = m.block_input(anchors, self.c.block_size, second)
-        # (a second pass looks it up again: two ops, beside passing it around)
+        return self._block(requests, context if context is not None else self.block_context(requests), anchors)(second)
+
+    def _block(self, requests, context, anchors):
+        """block(second) -> `block_forward` of these requests over their context (the block's rope looked up once
+        for both passes)."""
+        qpos, mask, kv = context
+        m = self.model
         rope = m.rope(qpos, max(r.length for r in requests) - 1 + self.c.block_size)
-        for li, layer in enumerate(m.layers):
-            x = layer(x, rope, *kv(li), mask, in_place=True)
-        return m.head(x)
+        return lambda second=None: m.block_pass(anchors, rope, lambda i: (*kv(i), mask, True), second)
 
     @torch.inference_mode()
     def propose(self, requests) -> list[Proposal]:
@@ -402,45 +403,27 @@ class DSparkProposer:
         anchors = torch.tensor([r.anchor for r in reqs], device=dev)
         if self.compiled is not None and self.compiled.applies(reqs):  # in graphs
             return active, self.compiled(reqs, context, anchors)
-        hn, base = self.block_forward(reqs, context=context, anchors=anchors)
         w1, w2 = m.markov_factors()
-        gates = m.markov_gates(hn)  # [B, block, r] or None
         K = max(r.k for r in reqs)
-        B, V = base.shape[0], base.shape[-1]
         greedy = all(r.temperature == 0 for r in reqs)
         law_args = None
         if not greedy or not self.c.confidence_head:  # (a greedy step with a confidence head reads none of them)
             law_args = [torch.tensor([getattr(r, a) for r in reqs], device=dev)
                         for a in ("temperature", "top_k", "top_p")]
         seeds = [r.seed for r in reqs]  # seeded rows draw slot i's token by its position
-        tokens, zs, laws, es = [], [], [], []
-        # each slot's base logits and gate: one unbind, not a select per slot
-        base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
-        prev = anchors
-        for i in range(K):  # left to right through the Markov head (the backbone ran once, or twice)
-            if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
-                hn2, base2 = self.block_forward(reqs, tokens[0], context, anchors)
-                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
-                gates = m.markov_gates(hn)
-                base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
-            e, bias = m.markov_bias(prev, w1, w2, None if gates_i is None else gates_i[i])
-            z = base_i[i] + bias
+
+        def choose(i, z):
             if greedy:
-                tok = z.argmax(-1)
-            else:
-                temp, top_k, top_p = law_args
-                # in the drafter's dtype: the law it ships (or hands the verify step) is the law it draws from
-                # (a 16-bit law is renormalised where it is verified; the race is scale-free)
-                law = filter_logits(z, temp, top_k, top_p).softmax(-1).to(self.dtype)
-                raced = race_sample(law.float(), seeds, [r.position + i for r in reqs], DRAFT)
-                tok = torch.where(temp == 0, z.argmax(-1), raced)
-                laws.append(law)
-            tokens.append(tok)
-            zs.append(z)
-            es.append(e)
-            prev = tok
-        tokens = torch.stack(tokens, 1)
-        conf = m.confidence_logit(hn[:, :K], torch.stack(es, 1) if es[0] is not None else None)
+                return z.argmax(-1), None
+            temp, top_k, top_p = law_args
+            # in the drafter's dtype: the law it ships (or hands the verify step) is the law it draws from
+            # (a 16-bit law is renormalised where it is verified; the race is scale-free)
+            law = filter_logits(z, temp, top_k, top_p).softmax(-1).to(self.dtype)
+            raced = race_sample(law.float(), seeds, [r.position + i for r in reqs], DRAFT)
+            return torch.where(temp == 0, z.argmax(-1), raced), law
+
+        tokens, zs, laws, conf = m.draft_slots(self._block(reqs, context, anchors), anchors, w1, w2, K, choose)
+        B, V = zs[0].shape
         if greedy:  # no law to ship; without a confidence head its top probability is the confidence
             if conf is None:
                 temp, top_k, top_p = law_args
