@@ -181,6 +181,28 @@ def alive_actors(class_name: str) -> int:
     return len(alive_actor_pids(class_name))
 
 
+def wait_until_drafting(llm, timeout: float = 60) -> None:
+    """Until the Ray Router of `llm` has verified a drafted round (so a kill lands mid-speculation)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:
+        assert time.monotonic() < deadline, "no drafted round was verified"
+        time.sleep(0.02)
+
+
+def wait_until_drafting_resumes(llm, prompt, params, want, what: str, timeout: float = 120) -> None:
+    """Generate `prompt` again until a run drafts (a restarted drafter took over), each run's tokens `want`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = llm.generate([prompt], params)[0]
+        assert out.token_ids == want
+        if out.metrics["num_draft_tokens"] > 0:
+            return
+        assert time.monotonic() < deadline, f"the restarted {what} never took over"
+        time.sleep(0.5)
+
+
 def build_dspark(target_path, out_dir, **kw):
     """A random DSpark drafter for the test checkpoint at `target_path` (dspark_model.random_drafter)."""
     from dspark_cluster.speculative.dspark_model import random_drafter

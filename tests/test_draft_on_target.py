@@ -8,14 +8,13 @@ on the target degrades to plain decoding."""
 
 import os
 import signal
-import time
 
 import pytest
 
 from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
 from dspark_cluster.model import gemm
 
-from conftest import alive_actor_pids, dspark_proposer, random_prompts
+from conftest import alive_actor_pids, dspark_proposer, random_prompts, wait_until_drafting
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -184,10 +183,7 @@ def test_kill_9_of_the_worker_that_hosts_the_drafter_loses_nothing(target, draft
         pids = alive_actor_pids("ShardWorker")
         assert pids, "no ShardWorker alive in this session's Ray"  # (kill nothing, and restarts == 0 says why)
         ref = llm.router.generate.remote(prompts, [params] * len(prompts))
-        deadline = time.monotonic() + 60
-        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until_drafting(llm)  # drafting has begun
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         assert [o.token_ids for o in ray.get(ref, timeout=300)] == base

@@ -8,7 +8,8 @@ from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.errors import ConfigError
 from dspark_cluster.model import gemm
 
-from conftest import build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position
+from conftest import (build_dspark, dspark_proposer, hf_context_states, random_prompts, rows_by_position,
+                      wait_until_drafting, wait_until_drafting_resumes)
 from test_speculative import small_vocab  # noqa: F401 -- fixture
 from test_speculative import (LAW_P, LAW_PROMPT, LAW_SCHED, exact_verify, first_position_law_verify, full_rounds,
                               law_pvalue, seeded)
@@ -482,8 +483,6 @@ def test_greedy_identical_through_ray_with_dspark(draft_workers, schedule, passe
 def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, ray_cluster):
     """Running sequences go on without drafts (the new drafter has none of their context); requests
     that start after the restart speculate again, their context sent to the new actors."""
-    import time
-
     import ray
 
     target = checkpoint("deepseek_v3")
@@ -493,22 +492,12 @@ def test_killing_the_dspark_drafter_mid_run_loses_nothing(checkpoint, drafters, 
     llm = LLM(target, config=dspark_config(drafters("deepseek_v3"), executor="ray"))
     try:
         ref = llm.router.generate.remote(prompts, [params] * len(prompts))
-        deadline = time.monotonic() + 60
-        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until_drafting(llm)  # drafting has begun
         old = sorted(ray.get(llm.router.drafter_names.remote()))
         for name in old:
             ray.kill(ray.get_actor(name), no_restart=True)
         assert [o.token_ids for o in ray.get(ref, timeout=300)] == base
-        deadline = time.monotonic() + 120
-        while True:
-            out = llm.generate(prompts[:1], params)[0]
-            assert out.token_ids == base[0]
-            if out.metrics["num_draft_tokens"] > 0:
-                break
-            assert time.monotonic() < deadline, "the restarted DSpark drafter never took over"
-            time.sleep(0.5)
+        wait_until_drafting_resumes(llm, prompts[0], params, base[0], "DSpark drafter")
         new = sorted(ray.get(llm.router.drafter_names.remote()))
         assert new and not set(new) & set(old)
     finally:

@@ -14,7 +14,7 @@ from dspark_cluster import LLM, SamplingParams, step_exec
 from dspark_cluster.speculative.spec_decode import verify as exact_verify
 from dspark_cluster.speculative.verify_budget import StepCost
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_until_drafting, wait_until_drafting_resumes
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -253,10 +253,7 @@ def test_killing_the_drafter_mid_run_loses_nothing(draft_tensor, checkpoint, ray
                                          speculative={"draft_tensor": draft_tensor, "draft_workers": draft_tensor}))
     try:
         ref = llm.router.generate.remote(prompts, [params] * len(prompts))
-        deadline = time.monotonic() + 60
-        while not ray.get(llm.router.stats.remote())["speculative"]["verify_rounds"]:  # drafting has begun
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until_drafting(llm)  # drafting has begun
         drafters = ray.get(llm.router.drafter_names.remote())
         assert len(drafters) == draft_tensor
         victims = drafters if draft_tensor == 1 else [a for a in drafters if a.endswith("-1")]  # TP rank 1
@@ -270,14 +267,7 @@ def test_killing_the_drafter_mid_run_loses_nothing(draft_tensor, checkpoint, ray
         stats = ray.get(llm.router.stats.remote())
         assert stats["speculative"]["drafter_failures"] == 1 and stats["drafter_restarts"] == 1
         # a new drafter group starts in the background and takes over at a step boundary
-        deadline = time.monotonic() + 120
-        while True:
-            out = llm.generate(prompts[:1], params)[0]
-            assert out.token_ids == base[0]
-            if out.metrics["num_draft_tokens"] > 0:
-                break
-            assert time.monotonic() < deadline, "the restarted drafter group never took over"
-            time.sleep(0.5)
+        wait_until_drafting_resumes(llm, prompts[0], params, base[0], "drafter group")
         new = ray.get(llm.router.drafter_names.remote())
         assert len(new) == draft_tensor and not set(new) & set(drafters)
     finally:
