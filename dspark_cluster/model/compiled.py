@@ -37,6 +37,7 @@ import itertools
 import logging
 import threading
 import time
+import types
 
 import torch
 
@@ -161,6 +162,41 @@ def experts_in_cuda_graphs(w13: torch.Tensor, w2: torch.Tensor, capability: tupl
     return w13.dtype == torch.bfloat16 and capability[0] in (9, 10) and layers.grouped_mm_available(w13, w2)
 
 
+# Guards dynamo puts on a runner's own modules that its life cannot fail: their tensors' metadata (parameters, buffers
+# and the KV cache keep shape, dtype, device and strides: loads, version switches and expert migrations copy in place,
+# and the runner is made after the KV pool), whether two of them alias, and the module system's bookkeeping (no hooks,
+# no attribute shadowed). Every Python value the trace reads (a flag, a head count, the expert ids' length, the
+# dispatcher) keeps its guard and recompiles when it changes. At DeepSeek-V3's 61 layers the full set is ~13k guards,
+# checked before every step on the host: ~0.45 ms on this CPU, half of it these (BENCHMARKS.md, session 31).
+_STATIC_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "EMPTY_NN_MODULE_HOOKS_DICT",
+                                   "NOT_PRESENT_IN_GENERIC_DICT", "DICT_NOT_CONTAINS"})
+
+
+def module_guard_filter(entries) -> list:
+    """dynamo's `guard_filter_fn` for a runner's compiled function: False for the guards in `_STATIC_MODULE_GUARDS` on
+    sources inside its modules, True for every other (and for all, where this torch describes guards otherwise)."""
+    keep = []
+    for e in entries:
+        try:
+            static = e.guard_type in _STATIC_MODULE_GUARDS and e.orig_guard.source.is_unspecialized_nn_module()
+        except AttributeError:
+            static = False
+        keep.append(not static)
+    return keep
+
+
+def compile_own(method, options=None):
+    """torch.compile of a bound method through a copy of its code: dynamo keeps graphs and guards per code object, so
+    the runner's are its own. Two models of one class in a process (engines, tests) then never reuse each other's
+    graphs, which the guards `module_guard_filter` drops (their tensors' shapes) would otherwise no longer prevent,
+    and a runner's graph count is its own. Static shapes; the runner's guard filter added to `options`."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    own.__kwdefaults__, own.__qualname__ = f.__kwdefaults__, f.__qualname__
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=False,
+                         options={**(options or {}), "guard_filter_fn": module_guard_filter}), own.__code__
+
+
 def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     """Inductor's options for this runner's CUDA graphs on a device of this compute capability (its own: an engine
     before it in the process, of another dtype, does not change them). The graphs are cut where attention runs (its
@@ -185,8 +221,6 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
 
 
 class CompiledSteps:
-    graphs_asked = 0  # by every runner made in this process (dynamo's cache of model.forward holds them all)
-
     def __init__(self, model, buckets: list, device, captures: tuple = ((),)):
         """buckets: the token counts steps pad to (`compile_buckets`); captures: the layer tuples steps will capture
         (`model.forward`'s capture: a guard, so a graph each): () alone, or also the exported layers where a drafter
@@ -198,14 +232,11 @@ class CompiledSteps:
         if self.device.type == "cuda":
             options = cuda_graph_options(model, torch.cuda.get_device_capability(self.device), self.buckets)
             allow_cuda_graph_sizes(len(self.buckets) + 1)
-        # graphs of the same frame, a few a capture (at most one a bucket, where a token count is specialised): past
-        # dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently. The graphs of earlier
-        # engines in this process stay in the frame's cache and count too: the limit covers every runner made here
-        # (an upper bound that only grows; dynamo's limit over all frames, accumulated_recompile_limit, stays)
-        CompiledSteps.graphs_asked += len(self.buckets) * len(self.captures)
+        # graphs of this runner's frame, a few a capture (at most one a bucket, where a token count is specialised):
+        # past dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledSteps.graphs_asked + 1)
-        self.fn = torch.compile(model.forward, dynamic=False, options=options)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
+        self.fn, self.code = compile_own(model.forward, options)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
@@ -292,8 +323,7 @@ class CompiledSteps:
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
-        # design); fewer than expected are an earlier engine's of the same model in this process, reused (dynamo's
-        # limit, which would leave steps eager, covers every runner: graphs_asked)
+        # design)
         if self.one_graph_a_step() and self.warm_up_graphs > self.graphs_expected():
             log.warning("model.compile: %d graphs for %d buckets x %d captures, where %d were expected (graph "
                         "breaks or a token count specialised: more compile time)",

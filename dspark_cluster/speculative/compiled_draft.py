@@ -43,8 +43,8 @@ from typing import Callable, Optional
 import torch
 
 from ..model.attention import on_real_rows
-from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, allow_cuda_graph_sizes, bucket_of, functions_mark,
-                              note_functions, step_buckets)
+from ..model.compiled import (_cuda_graph_manager, _cuda_graphs, allow_cuda_graph_sizes, bucket_of, compile_own,
+                              functions_mark, note_functions, step_buckets)
 from ..sampling import greedy_rows
 from .dspark_model import block_attention as _block_attention
 
@@ -108,16 +108,15 @@ def draft_buckets(max_rows: int) -> list[int]:
     return step_buckets(max(1, min(int(max_rows), MAX_DRAFT_ROWS)))
 
 
-def _entries(fn) -> int:
-    """Graphs dynamo holds for this function's frame (its own: the process-wide counter also counts the target's)."""
+def _entries(code) -> int:
+    """Graphs dynamo holds for this code's frame (a runner's own, `compile_own`: the process-wide counter also counts
+    the target's)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return len(_debug_get_cache_entry_list(fn.__code__))
+    return len(_debug_get_cache_entry_list(code))
 
 
 class CompiledDraft:
-    graphs_asked = 0  # by every runner made in this process (the frame's cache holds them all: dynamo's limit)
-
     def __init__(self, proposer, buckets: list, num_tokens: int):
         """proposer: the DSparkProposer whose rounds run here (its model and device; it passes each round's context);
         buckets: batch sizes (`draft_buckets`); num_tokens: the slots a round drafts (speculative.num_tokens: the most
@@ -137,12 +136,11 @@ class CompiledDraft:
             # (the packed weights, attributes of inlined modules, dynamo already treats as static; the Markov factors,
             # arguments, are marked so in `_inputs`: the graphs read them in place, kept in place by `load_trained`)
         self._static = ()  # the Markov factors marked static (made again in place; new tensors are marked again)
-        # a graph for one row and one for the larger buckets, greedy and sampled, per runner: past dynamo's limit of
-        # graphs a frame the rounds would run eager, silently
-        CompiledDraft.graphs_asked += 4
+        # a graph for one row and one for the larger buckets, greedy and sampled, in this runner's own frame: past
+        # dynamo's limit of graphs a frame the rounds would run eager, silently
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDraft.graphs_asked + 1)
-        self.fn = torch.compile(self._round, dynamic=False, options=options)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 + 1)
+        self.fn, self.code = compile_own(self._round, options)
         self.warm_up_s = self.record_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.records_cuda_graphs = self.device.type == "cuda"
@@ -240,12 +238,12 @@ class CompiledDraft:
     def warm_up(self) -> None:
         """Compile every bucket now (a graph for one row and one for the rest); on CUDA the thread that drafts
         records its CUDA graphs before its first round (`record_cuda_graphs`), as the target's steps do."""
-        t0, before, mark = time.perf_counter(), _entries(self._round), functions_mark(self.device)
+        t0, before, mark = time.perf_counter(), _entries(self.code), functions_mark(self.device)
         self._run_buckets(1, lambda i, Bp, s: log.info("model.compile: the drafter's round of %d rows (%d/%d) in "
                                                        "%.1f s", Bp, i + 1, len(self.buckets), s))
         note_functions(self.cuda_graph_functions, self.device, mark)
         self.warm_up_s = time.perf_counter() - t0
-        self.graphs_at_warm_up = _entries(self._round)
+        self.graphs_at_warm_up = _entries(self.code)
         self.warm_up_graphs = self.graphs_at_warm_up - before
         log.info("model.compile: the drafter's rounds, %d buckets compiled in %.1f s (%d graphs)", len(self.buckets),
                  self.warm_up_s, self.warm_up_graphs)
@@ -261,12 +259,11 @@ class CompiledDraft:
         self.record_s += time.perf_counter() - t0
 
     def stats(self) -> dict:
-        graphs = _entries(self._round)
+        graphs = _entries(self.code)
         return {"draft_compile_buckets": list(self.buckets), "draft_compile_warm_up_s": self.warm_up_s,
                 "draft_compile_rounds": self.rounds, "draft_compile_sampled_rounds": self.sampled_rounds,
                 "draft_compile_warm_up_graphs": self.warm_up_graphs,
-                # (the graphs of the round's frame, every runner's in this process: the recompiles after the warm-up
-                # are an upper bound of this runner's)
+                # (the graphs of this runner's own frame)
                 "draft_compile_graphs": graphs, "draft_compile_recompiles_after_warm_up": None if self.graphs_at_warm_up is None
                 else graphs - self.graphs_at_warm_up,
                 "draft_compile_cuda_graph_record_s": self.record_s,

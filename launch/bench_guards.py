@@ -1,0 +1,102 @@
+"""Dynamo's guard check before a compiled step, at a target's depth: how many guards a step's graph carries and how
+long checking them takes on the host (every step, before any kernel runs), with the runner's guard filter
+(`model/compiled.py` `module_guard_filter`) and with every guard kept.
+
+    python launch/bench_guards.py --layers 61            # a random DeepSeek-V3-shaped model, tiny widths (~40 s)
+    python launch/bench_guards.py --layers 4 --json OUT
+
+Each arm compiles in a process of its own (dynamo's caches and counters are per process); the check is the
+graph's guard manager run on the step's own arguments, 5 x 200 times (microseconds, median of the five).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def arm(layers: int, keep_all: bool) -> dict:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from dspark_cluster.kv_cache import allocate_kv_cache
+    from dspark_cluster.model import compiled
+    from dspark_cluster.model.loader import load_model
+    from dspark_cluster.model.spec import load_spec
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(  # the test suite's tiny DeepSeek-V3 (conftest), `layers` deep
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=512)
+    path = Path(tempfile.mkdtemp()) / "dsv3"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    model = load_model(str(path), load_spec(str(path), "float32"))
+    allocate_kv_cache(model, 64, 4, torch.device("cpu"))
+    counts = []
+    real_filter = compiled.module_guard_filter
+
+    def counted(entries):
+        keep = [True] * len(entries) if keep_all else real_filter(entries)
+        counts.append((len(entries), sum(keep)))
+        return keep
+
+    compiled.module_guard_filter = counted  # (read when the runner compiles)
+    runner = compiled.CompiledSteps(model, [1], "cpu")
+    t0 = time.perf_counter()
+    runner.warm_up()
+    warm = time.perf_counter() - t0
+    entry = _debug_get_cache_entry_list(runner.code)[0]
+    with torch.inference_mode():  # the step's arguments as the runner passes them (inference tensors)
+        f_locals = {"self": model, "input_ids": torch.zeros(1, dtype=torch.long),
+                    "positions": torch.zeros(1, dtype=torch.long), "meta": None, "capture": (),
+                    "real": torch.ones(1, dtype=torch.bool)}
+        assert entry.guard_manager.check(f_locals), entry.guard_manager.check_verbose(f_locals)
+        us = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(200):
+                entry.guard_manager.check(f_locals)
+            us.append((time.perf_counter() - t) / 200 * 1e6)
+    return {"guards": counts[-1][0], "kept": counts[-1][1], "check_us": statistics.median(us),
+            "check_us_runs": us, "warm_up_s": warm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--arm", choices=["filtered", "all"], default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        print(json.dumps(arm(args.layers, args.arm == "all")))
+        return
+    res = {"layers": args.layers}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("filtered", "all"):
+        out = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--arm", name], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        res[name] = json.loads(out.strip().splitlines()[-1])
+        r = res[name]
+        print(f"{name}: {r['kept']} of {r['guards']} guards, check {r['check_us']:.1f} us (warm-up {r['warm_up_s']:.1f} s)",
+              flush=True)
+    print(f"filtered / all: {res['filtered']['check_us'] / res['all']['check_us']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
