@@ -1,17 +1,19 @@
-"""Dynamo's guard check before a compiled step, at a target's depth: how many guards a step's graph carries and how
-long checking them takes on the host (every step, before any kernel runs), with the runner's guard filter
-(`model/compiled.py` `module_guard_filter`) and with every guard kept.
+"""Dynamo's guard check before a compiled step, at a target's depth: how many guards a step's graph carries (by kind)
+and how long checking them takes on the host (every step, before any kernel runs), with the runner's guard filter
+(`model/compiled.py` `module_guard_filter`) and with every guard kept; and the whole compiled decode step's time.
 
     python launch/bench_guards.py --layers 61            # a random DeepSeek-V3-shaped model, tiny widths (~40 s)
     python launch/bench_guards.py --layers 4 --json OUT
 
 Each arm compiles in a process of its own (dynamo's caches and counters are per process); the check is the
-graph's guard manager run on the step's own arguments, 5 x 200 times (microseconds, median of the five).
+graph's guard manager run on the step's own arguments, 5 x 200 times (microseconds, median of the five); the step
+(one token at context 40, the runner's call) 3 x 100 times (ms, median of each hundred).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -51,7 +54,7 @@ def arm(layers: int, keep_all: bool) -> dict:
 
     def counted(entries):
         keep = [True] * len(entries) if keep_all else real_filter(entries)
-        counts.append((len(entries), sum(keep)))
+        counts.append((len(entries), sum(keep), collections.Counter(e.guard_type for e in entries)))
         return keep
 
     compiled.module_guard_filter = counted  # (read when the runner compiles)
@@ -71,8 +74,20 @@ def arm(layers: int, keep_all: bool) -> dict:
             for _ in range(200):
                 entry.guard_manager.check(f_locals)
             us.append((time.perf_counter() - t) / 200 * 1e6)
-    return {"guards": counts[-1][0], "kept": counts[-1][1], "check_us": statistics.median(us),
-            "check_us_runs": us, "warm_up_s": warm}
+    step = SimpleNamespace(input_ids=torch.tensor([7]), query_lens=torch.tensor([1]), context_lens=torch.tensor([40]),
+                           block_tables=torch.arange(16).view(1, 16), block_size=4, num_draft=None)
+    for _ in range(10):
+        runner(step)
+    step_ms = []
+    for _ in range(3):
+        times = []
+        for _ in range(100):
+            t = time.perf_counter()
+            runner(step)
+            times.append((time.perf_counter() - t) * 1e3)
+        step_ms.append(statistics.median(times))
+    return {"guards": counts[-1][0], "kept": counts[-1][1], "by_kind": dict(counts[-1][2].most_common()),
+            "check_us": statistics.median(us), "check_us_runs": us, "step_ms_runs": step_ms, "warm_up_s": warm}
 
 
 def main() -> None:
@@ -91,8 +106,9 @@ def main() -> None:
                              capture_output=True, text=True, check=True).stdout
         res[name] = json.loads(out.strip().splitlines()[-1])
         r = res[name]
-        print(f"{name}: {r['kept']} of {r['guards']} guards, check {r['check_us']:.1f} us (warm-up {r['warm_up_s']:.1f} s)",
-              flush=True)
+        print(f"{name}: {r['kept']} of {r['guards']} guards, check {r['check_us']:.1f} us, step ms "
+              f"{', '.join(f'{x:.2f}' for x in r['step_ms_runs'])} (warm-up {r['warm_up_s']:.1f} s)", flush=True)
+    print("guards by kind:", res["all"]["by_kind"])
     print(f"filtered / all: {res['filtered']['check_us'] / res['all']['check_us']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

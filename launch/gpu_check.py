@@ -536,7 +536,7 @@ def check_speculative(args, tmp) -> dict:
                     outs = llm.generate(prompts, greedy)
                     if mode != "off":
                         worker = llm.engine.executor.worker
-                        compiled = llm.engine.executor.worker.compile_stats()
+                        compiled = worker.compile_stats()
                         flushes = worker.stash.flushes if worker.stash is not None else 0
                 drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
                 accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -633,8 +633,8 @@ def check_spec_law(args, tmp) -> dict:
         with make_llm(target, args.dtype, args.device, speculative=sp, compile_mode="on" if compiled else "off",
                       scheduler={**sched, "max_num_seqs": 16} if compiled else sched) as llm:  # (few buckets)
             outs = llm.generate([prompt] * n, params)
-            sampled_rounds = llm.engine.executor.worker.drafter.compile_stats().get(
-                "draft_compile_sampled_rounds", 0) if compiled else None
+            sampled_rounds = llm.engine.executor.worker.compile_stats()["draft_compile_sampled_rounds"] if compiled \
+                else None
         toks = torch.tensor([o.token_ids[:3] for o in outs])
         joint = torch.zeros(V ** 3, dtype=torch.float64).index_add_(
             0, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], torch.ones(n, dtype=torch.float64))

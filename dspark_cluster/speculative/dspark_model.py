@@ -365,8 +365,7 @@ class DSparkDrafter(nn.Module):
         prev, tokens, zs, laws, es = anchors, [], [], [], []
         for i in range(num_tokens):  # the backbone ran once, or twice
             if i == 1 and self.c.draft_passes == 2:  # slots 1.. from a block that holds slot 0's draft
-                hn2, base2 = block(tokens[0])
-                hn, base = torch.cat([hn[:, :1], hn2[:, 1:]], 1), torch.cat([base[:, :1], base2[:, 1:]], 1)
+                hn, base = join_passes((hn, base), block(tokens[0]))
                 gates = self.markov_gates(hn)
                 base_i, gates_i = base.unbind(1), None if gates is None else gates.unbind(1)
             e, bias = self.markov_bias(prev, w1, w2, None if gates_i is None else gates_i[i])
@@ -477,11 +476,18 @@ class DSparkDrafter(nn.Module):
         kv = [layer.context_kv(ctx, ctx_rope) for layer in self.layers]
         hn, base = self.block_pass(anchors, q_rope, lambda i: (*kv[i], mask))
         if self.c.draft_passes == 2:  # slots 1.. from the pass that holds slot 0's draft (prev's slot 1)
-            hn2, base2 = self.block_pass(anchors, q_rope, lambda i: (*kv[i], mask), prev[:, :, 1])
-            hn, base = torch.cat([hn[:, :, :1], hn2[:, :, 1:]], 2), torch.cat([base[:, :, :1], base2[:, :, 1:]], 2)
+            second = self.block_pass(anchors, q_rope, lambda i: (*kv[i], mask), prev[:, :, 1])
+            hn, base = join_passes((hn, base), second)
         w1, w2 = self.markov_factors()
         e, bias = self.markov_bias(prev, w1, w2, self.markov_gates(hn))
         return base + bias, self.confidence_logit(hn, e)
+
+
+def join_passes(first, second) -> tuple:
+    """A two-pass block's rows: slot 0 from the first pass, slots 1.. from the second (whose slot 1 holds slot 0's
+    draft). first / second: (normed rows, base logits) of `block_pass`, the slot axis second to last."""
+    (hn, base), (hn2, base2) = first, second
+    return torch.cat([hn[..., :1, :], hn2[..., 1:, :]], -2), torch.cat([base[..., :1, :], base2[..., 1:, :]], -2)
 
 
 def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
