@@ -229,7 +229,7 @@ class Cluster:
                         ),
                     ).remote(worker_cfg, spec, rank, world, threads)
                 )
-            addr, port = ray.get(self.workers[0].node_address.remote())
+            addr, port = ray.get(self.workers[0].open_rendezvous.remote())
             self.reports = self._get([w.setup.remote(addr, port, device) for w in self.workers])
             # CPU workers of one host share its memory: a share of it is split between them
             per_node = Counter(r["node_id"] for r in self.reports)

@@ -41,14 +41,17 @@ class Drafter:
         self._calibrator = None
         self._outbox, self._sent_t = [], time.monotonic()
         self._shipping = None  # a thread pickles and sends the batches, off the calls that serve
+        self._rendezvous = None  # drafter rank 0: its world's rendezvous server, from open_rendezvous until setup
 
-    def node_address(self) -> tuple[str, int]:
-        """This drafter's node IP and a free port there (asked of drafter rank 0 for the rendezvous)."""
+    def open_rendezvous(self) -> tuple[str, int]:
+        """This drafter's node IP and the port of the drafter world's rendezvous, opened here (asked of
+        drafter rank 0)."""
         import ray
 
-        from parallel.state import free_port
+        from parallel.state import open_rendezvous
 
-        return ray.util.get_node_ip_address(), free_port()
+        self._rendezvous = open_rendezvous()
+        return ray.util.get_node_ip_address(), self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the drafter world and load this rank's shard of the draft model. Returns report()."""
@@ -63,7 +66,8 @@ class Drafter:
         # drafters that fell back to CPU (too few GPUs) talk over gloo whatever the target uses
         backend = cfg.backend if self.device.type == "cuda" else "gloo"
         self.state = init_parallel(self.rank, self.world_size, cfg.speculative.draft_tensor, master_addr, master_port,
-                                   backend, self.device)
+                                   backend, self.device, store=self._rendezvous)
+        self._rendezvous = None  # the process group holds it now
         self.comm = TensorParallelComm(self.state)
         self.proposer = make_proposer(cfg, cfg.target_spec, self.device, self.comm)
         freeze_heap()  # start-up's objects: no full collection walks them during serving

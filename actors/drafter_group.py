@@ -128,7 +128,7 @@ class RayDrafterGroup:
             self._versions = [0] * len(self.groups)  # the drafter version each group serves
             # the drafters' own rendezvous, on drafter rank 0's node (the target's world has another)
             progress(f"starting {n} drafter actor(s)")
-            addr, port = self._gather([self.actors[0].node_address.remote()], startup_timeout_s)[0]
+            addr, port = self._gather([self.actors[0].open_rendezvous.remote()], startup_timeout_s)[0]
             progress("joining the drafters' process group and loading the draft model")
             self.reports = self._gather([a.setup.remote(addr, port) for a in self.actors], startup_timeout_s)
             if self.calibrator is not None:

@@ -25,6 +25,7 @@ class ShardWorker:
         self.worker = None
         self._drafters = {}  # DSpark drafter actor handles by name
         self._last_return = None
+        self._rendezvous = None  # rank 0: the world's rendezvous server, from open_rendezvous until setup
 
     def __repr__(self) -> str:  # Ray's actor repr (state API, error tracebacks): which rank this is
         return f"ShardWorker(rank={self.rank}/{self.world_size})"
@@ -33,13 +34,14 @@ class ShardWorker:
     def model(self):
         return self.worker.model if self.worker is not None else None
 
-    def node_address(self) -> tuple[str, int]:
-        """This worker's node IP and a free port there (asked of rank 0 for the rendezvous)."""
+    def open_rendezvous(self) -> tuple[str, int]:
+        """This worker's node IP and the port of the world's rendezvous, opened here (asked of rank 0)."""
         import ray
 
-        from parallel.state import free_port
+        from parallel.state import open_rendezvous
 
-        return ray.util.get_node_ip_address(), free_port()
+        self._rendezvous = open_rendezvous()
+        return ray.util.get_node_ip_address(), self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int, device: str, phy2log=None) -> dict:
         """Join the groups and load this rank's shard. Returns what this rank holds."""
@@ -54,14 +56,15 @@ class ShardWorker:
         else:
             self.device = resolve_device(device)
         self.state = init_parallel(self.rank, self.world_size, par.tensor, master_addr, master_port, par.backend,
-                                   self.device)
+                                   self.device, store=self._rendezvous)
+        self._rendezvous = None  # the process group holds it now
         self.worker = Worker(self.cfg, self.spec, self.device, self.rank, self.world_size, self.state, phy2log)
         return self.memory_report()
 
     def memory_report(self) -> dict:
         import ray
 
-        return {**self.worker.memory_report(), "node": self.node_address()[0],
+        return {**self.worker.memory_report(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def kv_blocks_that_fit(self, sharing: int = 1) -> int:

@@ -163,9 +163,13 @@ AUTO_KV_BYTES_CPU = 256 * 2**20  # on CPU the "device" is the host's memory, whi
 
 
 def free_device_memory(device) -> int:
-    """Bytes free on `device` now: CUDA's free memory, or the host's available memory on CPU."""
+    """Bytes free on `device` now: CUDA's free memory, or the host's available memory on CPU. On CUDA the
+    caching allocator first returns the blocks it holds unused (loading's temporaries: an FP8 checkpoint's
+    dequantised slices, a shard's staging copies), which the driver would otherwise count as used and the
+    KV pool would lose for good."""
     device = torch.device(device)
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         return int(torch.cuda.mem_get_info(device)[0])
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
@@ -190,11 +194,31 @@ def kv_budget_bytes(kv_cache_memory, device_type: str, free_bytes, sharing: int 
 
 
 def plan_num_blocks(model, block_size: int, kv_cache_memory, num_kv_blocks="auto", device="cpu",
-                    sharing: int = 1) -> int:
+                    sharing: int = 1, reserve=None) -> int:
     """Blocks that fit the memory budget (or the explicit count). Called after the weights are
-    loaded, so a share is of what they left free on `device`."""
+    loaded, so a share is of what they left free on `device`, less `reserve()` bytes (called first,
+    and only for a share: what the largest steps hold on top, `Worker.activation_reserve`)."""
     if num_kv_blocks != "auto":
         return int(num_kv_blocks)
     device = torch.device(device)
-    budget = kv_budget_bytes(kv_cache_memory, device.type, lambda: free_device_memory(device), sharing)
+
+    def free_bytes():
+        held = reserve() if reserve is not None else 0  # (its memory returned before the free memory is read)
+        return max(0, free_device_memory(device) - held)
+
+    budget = kv_budget_bytes(kv_cache_memory, device.type, free_bytes, sharing)
     return max(1, budget // kv_bytes_per_block(model, block_size))
+
+
+def peak_bytes_during(run, device) -> int:
+    """Bytes `run()` holds on `device` at its peak beyond what was held before it (CUDA's allocator statistics:
+    every tensor it makes, freed or not). 0 off CUDA, where nothing counts them: `run` is not called there."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return max(0, int(torch.cuda.max_memory_allocated(device)) - before)

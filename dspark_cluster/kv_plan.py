@@ -189,5 +189,9 @@ def format_kv_plan(rows: list[dict]) -> str:
         lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}){copies} + KV "
                      f"{gib(x['kv_pool_bytes'])} + headroom {gib(x['headroom_bytes'])} = {what} "
                      f"{gib(x['device_memory'])}")
+    if r["device_type"] == "cuda":
+        lines.append("a share's KV is planned here before the largest steps' activations: on the GPUs each worker "
+                     "measures them at start-up\n  and leaves them out of its pool (activation_reserve_bytes in its "
+                     "memory report), so the pool there is that much smaller")
     lines.append(_note(rows))
     return "\n".join(lines)

@@ -101,20 +101,23 @@ def expert_capacity(tokens_per_group: list[int], tensor: int, top_k: int, world:
     return cap if 0 < cap and world * world * cap * row_bytes <= EXPERT_PADDED_MAX_BYTES else 0
 
 
-def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int) -> StepInput:
+def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int, verify: bool = True,
+                  temperature: float = 0.0, top_p: float = 1.0) -> StepInput:
     """A step of num_rows greedy verify rows of tokens_per_row tokens each (the last tokens_per_row - 1
-    of them drafts), for timing the step at start-up. Its KV goes to the pool's first blocks, which
-    hold nothing yet (a sequence overwrites its slots before it reads them)."""
+    of them drafts), for timing the step at start-up; verify=False: prompt chunks, each sampling its
+    last token. Its KV goes to the pool's first blocks, which hold nothing yet (a sequence overwrites
+    its slots before it reads them). temperature / top_p: every row's (a measure of the sampler's
+    memory: sampled rows sort their logits)."""
     q = tokens_per_row
     nb = -(-q // block_size)
     tables = torch.arange(num_rows * nb).view(num_rows, nb) % max(num_blocks, 1)
     S = num_rows
     out = StepInput(
         input_ids=torch.zeros(S * q, dtype=torch.long), query_lens=torch.full((S,), q), context_lens=torch.full((S,), q),
-        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.zeros(S), top_k=torch.zeros(S, dtype=torch.long),
-        top_p=torch.ones(S), seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long),
-        block_size=block_size)
-    if q > 1:
+        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.full((S,), float(temperature)),
+        top_k=torch.zeros(S, dtype=torch.long), top_p=torch.full((S,), float(top_p)), seeds=torch.full((S,), -1),
+        positions_out=torch.zeros(S, dtype=torch.long), block_size=block_size)
+    if q > 1 and verify:
         out.draft_tokens, out.num_draft = torch.zeros(S, q - 1, dtype=torch.long), torch.full((S,), q - 1)
     return out
 

@@ -26,11 +26,12 @@ import torch
 
 from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
 from .heap import freeze_heap, unfreeze_heap
-from .kv_cache import allocate_kv_cache, kv_bytes_per_block, plan_num_blocks
+from .kv_cache import allocate_kv_cache, kv_bytes_per_block, peak_bytes_during, plan_num_blocks
 from .model.compiled import CompiledSteps, compile_buckets, resolve_compile
 from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepOutput
+from .step_builder import profile_input
 from .step_exec import execute_step
 
 
@@ -54,6 +55,7 @@ class WorkerConfig:
     num_draft_tokens: int = 0
     draft_passes: int = 1
     compile_buckets: tuple = ()  # the token counts a compiled step pads to (model.compile; `compile_buckets`)
+    verify_row_tokens: int = 1  # the most tokens a verify row takes: 1 + speculative.num_tokens (1: no speculation)
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
@@ -71,7 +73,8 @@ class WorkerConfig:
                    export_layers=export, record_top_logprobs=sp.calibration.top_logprobs, context_window=window,
                    draft_model=str(sp.draft_model) if sp.on_target else "",
                    num_draft_tokens=sp.num_tokens if sp.on_target else 0,
-                   draft_passes=passes, compile_buckets=tuple(compile_buckets(cfg)))
+                   draft_passes=passes, compile_buckets=tuple(compile_buckets(cfg)),
+                   verify_row_tokens=1 + (sp.num_tokens if sp.enabled else 0))
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -117,6 +120,7 @@ class Worker:
         if cfg.hot_experts:
             self.model.set_study_router_bias(cfg.hot_experts, cfg.hot_bias)
         self.num_blocks = 0
+        self.reserved_bytes = 0  # what the KV plan left its largest steps (`activation_reserve`)
         self.compiled = None  # model.compile's step runner, made with the KV pool
         self.migration, self.migration_version = None, None
         self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
@@ -141,9 +145,45 @@ class Worker:
 
     def kv_blocks_that_fit(self, sharing: int = 1) -> int:
         """After the weights are loaded: a share of kv_cache_memory is of what they left free on this
-        worker's device (split `sharing` ways between the CPU workers of one host)."""
+        worker's device, less what its largest steps hold on top (`activation_reserve`; split `sharing`
+        ways between the CPU workers of one host). Collective where a share is measured: every rank."""
         sc = self.cfg.scheduler
-        return plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks, self.device, sharing)
+
+        def reserve():
+            self.reserved_bytes = self.activation_reserve()
+            return self.reserved_bytes
+
+        return plan_num_blocks(self.model, sc.block_size, sc.kv_cache_memory, sc.num_kv_blocks, self.device, sharing,
+                               reserve)
+
+    def activation_reserve(self) -> int:
+        """Bytes the largest steps the scheduler can build hold beyond the weights (activations, logits, the
+        sampler's sorts), measured before the KV pool is sized so that the pool leaves them room (vLLM's profile
+        run): a prompt chunk of max_num_batched_tokens (of sequences no longer than the model's positions), then
+        max_num_seqs verify rows of 1 + num_tokens tokens sampled with top-p, on a pool just large enough for them,
+        dropped after. Every rank runs them (their collectives). 0 off CUDA, where nothing counts a step's memory
+        (`peak_bytes_during`): nothing runs."""
+        sc = self.cfg.scheduler
+        bs, T, q = sc.block_size, sc.max_num_batched_tokens, min(self.cfg.verify_row_tokens, sc.max_num_batched_tokens)
+        L = min(T, self.spec.max_position_embeddings)  # a chunk's rows: no sequence is longer than the model's positions
+        rows = max(1, min(sc.max_num_seqs, T // q))
+        blocks = max(T // L * -(-L // bs), rows * -(-q // bs))
+        steps = [profile_input(T // L, L, bs, blocks, verify=False),
+                 profile_input(rows, q, bs, blocks, temperature=1.0, top_p=0.9)]
+
+        def run():
+            allocate_kv_cache(self.model, blocks, bs, self.device)
+            try:
+                for d in self.dispatchers:
+                    d.capacity = 0  # exact splits (a step's own capacity comes with it)
+                for step in steps:
+                    execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0)
+            finally:
+                for attn in self.model.attention_layers:
+                    attn.kv_cache = None
+                self.model.captured = None
+
+        return peak_bytes_during(run, self.device)
 
     def allocate_kv(self, num_blocks: int) -> int:
         """Allocate the KV pool; returns the bytes one block takes on this rank."""
@@ -214,6 +254,7 @@ class Worker:
             "param_bytes": total,  # params + persistent buffers
             "expert_param_bytes": expert,
             "expert_staging_bytes": self.peak_staging_bytes,  # peak; 0 until a rebalance stages experts here
+            "activation_reserve_bytes": self.reserved_bytes,  # left out of the KV pool for the largest steps (CUDA)
             "bytes_read": self.model.bytes_read,
             "reordered_weight_bytes": getattr(self.model, "reordered_bytes", 0),  # the CPU's oneDNN copies (gemm.py)
             "experts": [m.expert_ids for m in self.model.moe_layers],

@@ -521,7 +521,9 @@ def _gloo_worker(rank, world, port, q):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from parallel.state import join_rendezvous
+
+    dist.init_process_group("gloo", store=join_rendezvous("127.0.0.1", port), rank=rank, world_size=world)
     res = {}
     n = 8 * 2**20 // 4  # 8 MiB of fp32
     x = torch.randn(n)
@@ -548,12 +550,12 @@ def gloo_bandwidth(world=2) -> dict:
     per rank counted the way parallel/comm.py counts them."""
     import torch.multiprocessing as mp
 
-    from parallel.state import free_port
+    from parallel.state import open_rendezvous
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, q)) for r in range(world)]
+    rendezvous = open_rendezvous()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, rendezvous.port, q)) for r in range(world)]
     for p in procs:
         p.start()
     res = q.get(timeout=300)
@@ -567,7 +569,7 @@ def bench_scaling_noray(path, repeats, n_prompts, prompt_len, rounds=2):
     """Prefill step time of the same sharded forward at tensor 1 and 2 in plain processes."""
     import torch.multiprocessing as mp
 
-    from parallel.state import free_port
+    from parallel.state import open_rendezvous
 
     ctx = mp.get_context("spawn")
     times = {1: [], 2: []}
@@ -575,9 +577,9 @@ def bench_scaling_noray(path, repeats, n_prompts, prompt_len, rounds=2):
     for r in range(rounds):
         for world in ((1, 2) if r % 2 == 0 else (2, 1)):
             q = ctx.Queue()
-            port = free_port()
-            procs = [ctx.Process(target=_spmd_worker, args=(rank, world, port, path, n_prompts, prompt_len, repeats, q))
-                     for rank in range(world)]
+            rendezvous = open_rendezvous()
+            args = (world, rendezvous.port, path, n_prompts, prompt_len, repeats, q)
+            procs = [ctx.Process(target=_spmd_worker, args=(rank, *args)) for rank in range(world)]
             for p in procs:
                 p.start()
             got = sorted(q.get(timeout=600) for _ in range(world))

@@ -21,10 +21,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def free_port() -> int:
-    """A free TCP port on this node (the launcher asks rank 0's node for one)."""
+    """A TCP port free on this node now (for a server that binds it itself: HTTP, DeepSpeed's
+    launcher). Not for a world's rendezvous: another process may take it before it is bound
+    again; `open_rendezvous` binds first and tells the port after."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def open_rendezvous(timeout_s: float = 300.0) -> dist.TCPStore:
+    """The server side of a world's rendezvous: a TCPStore listening on every interface, on a port
+    the OS picks as it binds (`.port`), so nothing can take the port between choosing and binding
+    it. Opened by whoever hands the port out (rank 0's actor, a launching parent) and kept alive
+    while the world forms; every rank then joins it as a client (`init_parallel`)."""
+    from datetime import timedelta
+
+    return dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_rendezvous(master_addr: str, master_port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A rank's client of the rendezvous `open_rendezvous` serves at master_addr:master_port."""
+    from datetime import timedelta
+
+    return dist.TCPStore(master_addr, master_port, None, False, timedelta(seconds=timeout_s))
 
 
 def local_address_towards(addr: str, port: int = 9) -> str:
@@ -101,9 +120,12 @@ class ParallelState:
 
 
 def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, master_port: int,
-                  backend: str, device: torch.device, timeout_s: float = 300.0) -> ParallelState:
+                  backend: str, device: torch.device, timeout_s: float = 300.0,
+                  store: "dist.TCPStore | None" = None) -> ParallelState:
     """Join a world (the target's, or the drafter group's own) and build its TP and EP groups
-    (collective: every rank of that world calls this with the same address, port and sizes)."""
+    (collective: every rank of that world calls this with the same address, port and sizes). The
+    rendezvous at master_addr:master_port is `open_rendezvous`'s; a rank that opened it passes
+    its `store` instead of dialling itself."""
     from datetime import timedelta
 
     backend = resolve_backend(backend, device)
@@ -111,9 +133,11 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
         bind_gloo_to_route(master_addr)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if store is None:
+        store = join_rendezvous(master_addr, master_port, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

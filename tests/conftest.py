@@ -238,6 +238,37 @@ def dspark_proposer(llm):
     return llm.engine.drafter.backend.proposer
 
 
+def outputs_overwritten_by_the_next_call(steps, draft=None) -> list:
+    """As one thread's CUDA graph tree does on a GPU: each compiled call (the target's step, the drafter's round)
+    reuses the memory of the outputs the previous one returned. Here those outputs (hidden states, captured rows,
+    expert loads; drafted tokens, confidences, laws) are filled with garbage (NaN, -1) before each call, so anything
+    read past the next compiled call changes what the CPU computes too. Inputs the graphs read in place (parameters,
+    buffers, the KV cache) are not outputs and are left alone. Returns the calls counted by runner ("steps",
+    "draft")."""
+    model = steps.model
+    inputs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    inputs |= {t.untyped_storage().data_ptr() for a in model.attention_layers for t in a.kv_cache if t is not None}
+    live, calls = [], {"steps": 0, "draft": 0}
+
+    def overwriting(fn, outputs, runner):
+        def call(*args, **kwargs):
+            for t in live:
+                t.fill_(float("nan") if t.is_floating_point() else -1)
+            live.clear()
+            out = fn(*args, **kwargs)
+            calls[runner] += 1
+            live.extend(t for t in outputs(out) if isinstance(t, torch.Tensor)
+                        and t.untyped_storage().data_ptr() not in inputs)
+            return out
+        return call
+
+    steps.fn = overwriting(steps.fn, lambda hidden: [hidden, model.captured, *(m.last_load for m in model.moe_layers),
+                                                     *(m.last_slot_load for m in model.moe_layers)], "steps")
+    if draft is not None:
+        draft.fn = overwriting(draft.fn, list, "draft")
+    return calls
+
+
 def rows_by_position(seen) -> dict:
     """The ContextRows a drafter ingested, as seq_id -> {position: that token's exported row}."""
     by_seq = {}

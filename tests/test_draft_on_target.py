@@ -14,7 +14,8 @@ import pytest
 from dspark_cluster import ConfigError, LLM, SamplingParams, load_config
 from dspark_cluster.model import gemm
 
-from conftest import alive_actor_pids, dspark_proposer, random_prompts, wait_until_drafting
+from conftest import (alive_actor_pids, dspark_proposer, outputs_overwritten_by_the_next_call, random_prompts,
+                      wait_until_drafting)
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -270,7 +271,9 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     1 + drafts tokens, cut to different lengths by the verify budget) replay the same graphs as decode steps:
     serving compiles nothing more, and greedy tokens equal plain decoding's. The drafter's greedy rounds run
     compiled too (`compiled_draft`: batch buckets up to max_num_seqs), with no recompile while serving; the run's
-    compile summary and report say so. A drafter group's proposer (placement group) compiles its rounds as well."""
+    compile summary and report say so; and nothing reads a step's or a round's outputs past the next compiled call
+    (which CUDA graphs overwrite: simulated here). A drafter group's proposer (placement group) compiles its rounds
+    as well."""
     from dspark_cluster.model.compiled import step_buckets
     from dspark_cluster.report import format_summary
 
@@ -279,14 +282,21 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     cfg["scheduler"]["max_num_seqs"] = 2
     llm = LLM(target, config=cfg)
     try:
+        steps, rounds = llm.engine.executor.worker.compiled, dspark_proposer(llm).compiled
+        before = {"steps": steps.steps, "draft": rounds.rounds}  # (the start-up profile's)
+        calls = outputs_overwritten_by_the_next_call(steps, rounds)
         outs = [o.token_ids for o in llm.generate(prompts[:2], GREEDY)]
+        routed = llm.engine.balancer.total.sum(1)  # each MoE layer's routed tokens: the same in every layer
         stats = llm.engine.executor.worker.memory_report()["compile"]
         k = llm.engine.cfg.speculative.num_tokens
         llm.engine.device_reports()  # (what the summary reads)
         summary = llm.engine.compile_summary()
     finally:
         llm.shutdown()
-    assert outs == plain[:2]
+    assert outs == plain[:2] and all(calls.values())
+    assert calls == {"steps": stats["compile_steps"] - before["steps"],
+                     "draft": stats["draft_compile_rounds"] - before["draft"]}
+    assert routed.min() == routed.max() > 0, routed  # (loads read past the drafter's round: garbage)
     assert stats["compile_buckets"] == step_buckets(2 * (1 + k)) and stats["compile_warm_up_graphs"] == 4
     assert stats["compile_recompiles_after_warm_up"] == 0 and stats["compile_verify_steps"] > 0, stats
     assert stats["draft_compile_buckets"] == [1, 2] and stats["draft_compile_rounds"] > 0

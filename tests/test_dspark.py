@@ -48,7 +48,6 @@ def test_packed_serving_weights_follow_a_version_switch_and_a_move(checkpoint, d
     of them): a drafter version switch (load_trained) and a move (.to) leave the packed forward equal to the
     modules' own, and nothing is held twice. With oneDNN's matmul on every product (`gemm`: its reordered copy of
     a weight is kept per storage and version), the switch's new values reach the packed weights' copies too."""
-    from dspark_cluster.model import gemm
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.proposers import DraftRequest
     from dspark_cluster.speculative.records import ContextRows

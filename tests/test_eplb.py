@@ -290,9 +290,9 @@ def _migration_rank(rank, world, port, old, new, out_dir):
 
     from dspark_cluster.placement import placement_from_phy2log
     from parallel.migration import Migration
-    from parallel.state import ParallelState
+    from parallel.state import ParallelState, join_rendezvous
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_rendezvous("127.0.0.1", port), rank=rank, world_size=world)
     try:
         E = int(old.max()) + 1
         old_p, new_p = placement_from_phy2log(old, E, world), placement_from_phy2log(new, E, world)
@@ -330,14 +330,15 @@ def test_migration_moves_experts_between_steps_and_stages_only_received_ones(tmp
     import torch.multiprocessing as mp
 
     from parallel.migration import plan_transfers
-    from parallel.state import free_port
+    from parallel.state import open_rendezvous
 
     old = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]])
     # layer 0: rank 0 swaps its experts locally and rank 2 receives 3; layer 1: transfers both ways
     new = torch.tensor([[1, 0, 2, 3, 0, 3], [3, 1, 0, 2, 1, 2]])
     plan = plan_transfers(old, new, 2)
     world = 3
-    mp.spawn(_migration_rank, args=(world, free_port(), old, new, str(tmp_path)), nprocs=world, join=True)
+    rendezvous = open_rendezvous()
+    mp.spawn(_migration_rank, args=(world, rendezvous.port, old, new, str(tmp_path)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     expert_bytes = (4 * 3 + 3 * 2) * 4
     for rank, res in enumerate(results):

@@ -4,8 +4,6 @@ padded all-to-all (no host round trip) gives the exact layout's outputs."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -82,12 +80,6 @@ def test_ops_per_decode_layer_of_the_bundled_model():
 
 # ---- expert parallelism: padded vs exact splits, two gloo processes ----------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ep_rank(rank, world, port, path, prompts, q):
     torch.set_num_threads(1)
     from dspark_cluster.step_builder import expert_capacity
@@ -153,8 +145,10 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(long, t
         prompts = [[torch.randint(3, 150, (n,), generator=g).tolist() for n in ns] for ns in ([230, 40], [260])]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_ep_rank, args=(r, 2, port, path, prompts, q)) for r in range(2)]
+    from parallel.state import open_rendezvous
+
+    rendezvous = open_rendezvous()  # bound before its port is handed out: no other process can take it
+    procs = [ctx.Process(target=_ep_rank, args=(r, 2, rendezvous.port, path, prompts, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=240) for _ in procs)
@@ -640,6 +634,29 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
             (m.lm_head.weight.dtype, capability)
         torch.compile(m.forward, dynamic=False, options=options)  # inductor takes them (checked when made)
     assert torch._inductor.config.custom_should_partition_ops == before  # nothing process-wide
+    # the runners made for a CUDA device take them, raise inductor's warning limit for their buckets and record their
+    # CUDA graphs before the first step (torch.compile compiles at the first call: nothing runs here)
+    from types import SimpleNamespace as NS
+
+    from dspark_cluster.speculative.compiled_draft import CompiledDraft
+
+    seen, own = [], compiled.compile_own
+
+    def compile_own(method, options=None):
+        seen.append(options)
+        return own(method, options)
+
+    monkeypatch.setattr(compiled, "compile_own", compile_own)
+    monkeypatch.setattr("dspark_cluster.speculative.compiled_draft.compile_own", compile_own)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_dynamic_shape_warn_limit", 8)
+    steps = compiled.CompiledSteps(model, buckets, "cuda")
+    draft = CompiledDraft(NS(model=model, device=torch.device("cuda"), dtype=torch.float32), [1, 2, 4], 4)
+    assert seen == [compiled.cuda_graph_options(model, (9, 0), buckets),
+                    {"triton.cudagraphs": True, "graph_partition": True,
+                     "custom_should_partition_ops": ["dspark::block_attention"]}]
+    assert steps.records_cuda_graphs and draft.records_cuda_graphs
+    assert torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit == len(buckets) + 1
     monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
     assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [attention, experts]
     for name in (attention, experts):  # the names are the registered ops'
@@ -648,8 +665,6 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
         compiled._cuda_graphs({0: None}, {0: {1}}) == 0  # counted on CUDA only
     # a thread's tree manager holds every runner's graphs (the target's steps, a drafter's rounds): each counts the
     # nodes of its own functions (a manager's roots and their children, as inductor's trees hold them)
-    from types import SimpleNamespace as NS
-
     def node(fid, *children):
         return NS(wrapped_function=NS(id=fid), children={c.wrapped_function.id: [c] for c in children})
 

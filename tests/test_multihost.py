@@ -125,6 +125,27 @@ def test_gloo_binds_to_the_interface_that_reaches_rank_0(monkeypatch):
     assert state.bind_gloo_to_route("127.0.0.1") == "mine0"
 
 
+def test_a_rendezvous_port_is_bound_before_it_is_handed_out():
+    """A port probed free, closed and handed out can be taken by another process before rank 0 binds
+    it again (a compiled-steps test across ranks failed once with clusters starting beside it).
+    open_rendezvous binds first: the port it tells is already its own, on every interface (the
+    ranks of other hosts dial rank 0's node address), and the ranks join it as clients."""
+    import contextlib
+    import socket
+
+    from parallel.state import join_rendezvous, local_address_towards, open_rendezvous
+
+    server = open_rendezvous(timeout_s=10)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", server.port))
+    addrs = {"127.0.0.1"}
+    with contextlib.suppress(OSError):  # and this host's address on its default route, where it has one
+        addrs.add(local_address_towards("192.0.2.1"))
+    for addr in addrs:
+        join_rendezvous(addr, server.port, timeout_s=10).set(f"rank@{addr}", "joined")
+        assert server.get(f"rank@{addr}") == b"joined"
+
+
 def test_a_round_a_rank_never_answers_is_a_lost_worker_not_a_step_error():
     """A host lost: its peers' collectives fail at once (connection reset: the step's 'own' error)
     while the GCS still has the host's workers ALIVE; the round is a lost worker (restart), not a

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark_cluster import ConfigError, load_config
 from dspark_cluster.kv_plan import format_kv_plan, kv_plan, rank_weights
@@ -193,6 +194,11 @@ def test_kv_cache_memory_as_a_share_of_what_the_weights_leave(checkpoint, monkey
     for bad in (1.5, 0.0, "0", "-2GiB"):
         with pytest.raises(ConfigError, match="scheduler.kv_cache_memory"):
             load_config({"scheduler": {"kv_cache_memory": bad}})
+    # on CUDA, what the allocator caches unused from loading is returned before the driver is asked
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: calls.append(str(device)) or (7 * gib, 80 * gib))
+    assert kv_cache.free_device_memory("cuda:0") == 7 * gib and calls == ["empty_cache", "cuda:0"]
     # in process: the share is of the memory free after the weights are loaded (measured then)
     seen = []
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: seen.append(str(device)) or 64 * 2**20)
@@ -200,3 +206,59 @@ def test_kv_cache_memory_as_a_share_of_what_the_weights_leave(checkpoint, monkey
     per_block = kv_cache.kv_bytes_per_block(llm.engine.executor.model, 4)
     assert seen == ["cpu"] and llm.engine.num_blocks == 32 * 2**20 // per_block
     assert llm.generate([[3, 4, 5]], __import__("dspark_cluster").SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_the_kv_pool_leaves_the_largest_steps_room(checkpoint, monkeypatch):
+    """A share of kv_cache_memory is of what the weights leave less what the largest steps hold on top (activations,
+    logits, the sampler's sorts: vLLM's profile run), or the first long prompt chunk or full verify step after start-up
+    runs out of device memory. The steps are the largest the scheduler builds: a prompt chunk of
+    max_num_batched_tokens, and max_num_seqs verify rows of 1 + num_tokens tokens sampled with top-p, on a pool just
+    large enough, dropped before the real one is made. Measured by CUDA's allocator statistics (faked here: the CPU
+    keeps none, and off CUDA nothing runs); the steps themselves run here, for real."""
+    from dspark_cluster import LLM, SamplingParams, kv_cache, worker
+
+    gib = 2**30
+    alloc = {"now": 5 * gib, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: alloc.update(peak=alloc["now"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: alloc["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: alloc["peak"])
+    assert kv_cache.peak_bytes_during(lambda: alloc.update(peak=alloc["now"] + 3 * gib), "cuda:0") == 3 * gib
+    assert kv_cache.peak_bytes_during(lambda: 1 / 0, "cpu") == 0  # not run where nothing measures it
+
+    steps, caches = [], []
+    execute_step = worker.execute_step
+
+    def profiled(run, device):
+        def recording(model, step, *args, **kwargs):
+            steps.append((step.query_lens.tolist(), None if step.num_draft is None else step.num_draft.tolist(),
+                          step.temperature.tolist(), step.sample_rows.tolist()))
+            caches.append(model.attention_layers[0].kv_cache[0].shape[0])
+            return execute_step(model, step, *args, **kwargs)
+
+        monkeypatch.setattr(worker, "execute_step", recording)
+        run()
+        monkeypatch.setattr(worker, "execute_step", execute_step)
+        return 16 * 2**20
+
+    monkeypatch.setattr(worker, "peak_bytes_during", profiled)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: 64 * 2**20)
+    config = {"scheduler": {"kv_cache_memory": 0.5, "block_size": 4, "max_num_batched_tokens": 1100, "max_num_seqs": 4},
+              "speculative": {"method": "ngram", "num_tokens": 3}}
+    llm = LLM(checkpoint("qwen3_moe"), config=config)
+    try:
+        ex = llm.engine.executor
+        per_block = kv_cache.kv_bytes_per_block(ex.model, 4)
+        assert llm.engine.num_blocks == (64 - 16) * 2**20 // 2 // per_block
+        assert ex.worker.memory_report()["activation_reserve_bytes"] == 16 * 2**20
+        # a prompt chunk of 1100 tokens at most, of sequences no longer than the model's 512 positions, each sampling
+        # its last token; 4 verify rows of 1 + 3 tokens, sampled; on a pool of 2 x 128 blocks
+        assert steps == [([512, 512], None, [0.0] * 2, [0, 1]), ([4] * 4, [3] * 4, [1.0] * 4, [0, 1, 2, 3])]
+        assert caches == [256, 256]
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        assert len(llm.generate([[3, 4, 5, 3, 4, 5]], params)[0].token_ids) == 6  # on the pool made after
+    finally:
+        llm.shutdown()
+    steps.clear()
+    LLM(checkpoint("qwen3_moe"), config={"scheduler": {"num_kv_blocks": 40}}).shutdown()  # a count: nothing measured
+    assert steps == []
