@@ -146,6 +146,9 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                 "device_type": device_type,
                 "device_memory": total,
                 "headroom_bytes": total - held - num_blocks * per_block,
+                # the pool a share of the memory left (measured at start-up, less the largest steps' activations)
+                "kv_share": not isinstance(sc.num_kv_blocks, int) and (
+                    sc.kv_cache_memory == "auto" and device_type == "cuda" or isinstance(sc.kv_cache_memory, float)),
             }
         )
     return rows
@@ -189,9 +192,9 @@ def format_kv_plan(rows: list[dict]) -> str:
         lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}){copies} + KV "
                      f"{gib(x['kv_pool_bytes'])} + headroom {gib(x['headroom_bytes'])} = {what} "
                      f"{gib(x['device_memory'])}")
-    if r["device_type"] == "cuda":
-        lines.append("a share's KV is planned here before the largest steps' activations: on the GPUs each worker "
-                     "measures them at start-up\n  and leaves them out of its pool (activation_reserve_bytes in its "
-                     "memory report), so the pool there is that much smaller")
+    if r["device_type"] == "cuda" and r["kv_share"]:
+        lines.append("the KV share is planned here before the largest steps' activations: on the GPUs each worker "
+                     "measures them at start-up\n  (activation_reserve_bytes in its memory report) and takes its "
+                     "share of what is left after them")
     lines.append(_note(rows))
     return "\n".join(lines)

@@ -101,25 +101,57 @@ def expert_capacity(tokens_per_group: list[int], tensor: int, top_k: int, world:
     return cap if 0 < cap and world * world * cap * row_bytes <= EXPERT_PADDED_MAX_BYTES else 0
 
 
-def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int, verify: bool = True,
-                  temperature: float = 0.0, top_p: float = 1.0) -> StepInput:
+def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int) -> StepInput:
     """A step of num_rows greedy verify rows of tokens_per_row tokens each (the last tokens_per_row - 1
-    of them drafts), for timing the step at start-up; verify=False: prompt chunks, each sampling its
-    last token. Its KV goes to the pool's first blocks, which hold nothing yet (a sequence overwrites
-    its slots before it reads them). temperature / top_p: every row's (a measure of the sampler's
-    memory: sampled rows sort their logits)."""
+    of them drafts), for timing the step at start-up. Its KV goes to the pool's first blocks, which
+    hold nothing yet (a sequence overwrites its slots before it reads them)."""
     q = tokens_per_row
     nb = -(-q // block_size)
     tables = torch.arange(num_rows * nb).view(num_rows, nb) % max(num_blocks, 1)
     S = num_rows
     out = StepInput(
         input_ids=torch.zeros(S * q, dtype=torch.long), query_lens=torch.full((S,), q), context_lens=torch.full((S,), q),
-        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.full((S,), float(temperature)),
-        top_k=torch.zeros(S, dtype=torch.long), top_p=torch.full((S,), float(top_p)), seeds=torch.full((S,), -1),
-        positions_out=torch.zeros(S, dtype=torch.long), block_size=block_size)
-    if q > 1 and verify:
+        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.zeros(S), top_k=torch.zeros(S, dtype=torch.long),
+        top_p=torch.ones(S), seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long),
+        block_size=block_size)
+    if q > 1:
         out.draft_tokens, out.num_draft = torch.zeros(S, q - 1, dtype=torch.long), torch.full((S,), q - 1)
     return out
+
+
+def memory_profile_steps(max_tokens: int, max_seqs: int, row_tokens: int, max_positions: int, block_size: int,
+                         vocab_size: int, law_dtype=None, seed: int = 0) -> tuple[list[StepInput], int]:
+    """The largest steps the scheduler builds, to measure what a step holds on the device (`Worker.activation_reserve`):
+    a prompt chunk of max_tokens tokens (sequences of at most max_positions, each sampling its last token), then
+    max_seqs verify rows of row_tokens tokens (the last row_tokens - 1 of them drafts, each draft with a law of
+    law_dtype [K, V] where given, as a drafter with one sends it), every row sampled at temperature 1 with top-p and
+    named (`seq_ids`: a DSpark drafter's layers are captured). Token ids are random, the same for a seed, so every rank
+    of a world builds the same steps (all-zero ids would route every token to the same experts). Returns the steps and
+    the KV blocks the larger takes (each step writes from block 0)."""
+    g = torch.Generator().manual_seed(seed)
+    L = min(max_tokens, max_positions)
+    q = min(row_tokens, max_tokens)
+    chunk = [L] * (max_tokens // L) + ([max_tokens % L] if max_tokens % L else [])
+    steps, blocks = [], 0
+    for lens, K in ((chunk, 0), ([q] * max(1, min(max_seqs, max_tokens // q)), q - 1)):
+        S, nb = len(lens), [-(-n // block_size) for n in lens]
+        tables = torch.zeros(S, max(nb), dtype=torch.long)
+        for i, n in enumerate(nb):
+            tables[i, :n] = torch.arange(sum(nb[:i]), sum(nb[: i + 1]))
+        blocks = max(blocks, sum(nb))
+        step = StepInput(
+            input_ids=torch.randint(vocab_size, (sum(lens),), generator=g), query_lens=torch.tensor(lens),
+            context_lens=torch.tensor(lens), block_tables=tables, sample_rows=torch.arange(S),
+            temperature=torch.ones(S), top_k=torch.zeros(S, dtype=torch.long), top_p=torch.full((S,), 0.9),
+            seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long), block_size=block_size,
+            seq_ids=torch.arange(S))
+        if K:
+            step.draft_tokens, step.num_draft = torch.randint(vocab_size, (S, K), generator=g), torch.full((S,), K)
+            if law_dtype is not None:
+                step.draft_probs = torch.full((S, K, vocab_size), 1 / vocab_size, dtype=law_dtype)
+                step.draft_law_rows = torch.arange(S)
+        steps.append(step)
+    return steps, blocks
 
 
 def _draft_fields(drafts: list[list[int]], probs: list) -> dict:

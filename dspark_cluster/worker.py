@@ -31,7 +31,7 @@ from .model.compiled import CompiledSteps, compile_buckets, resolve_compile
 from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepOutput
-from .step_builder import profile_input
+from .step_builder import memory_profile_steps
 from .step_exec import execute_step
 
 
@@ -56,6 +56,7 @@ class WorkerConfig:
     draft_passes: int = 1
     compile_buckets: tuple = ()  # the token counts a compiled step pads to (model.compile; `compile_buckets`)
     verify_row_tokens: int = 1  # the most tokens a verify row takes: 1 + speculative.num_tokens (1: no speculation)
+    verify_laws: bool = False  # sampled verify rows carry their drafts' laws (a drafter with one: not ngram)
 
     @classmethod
     def of(cls, cfg: Config) -> "WorkerConfig":
@@ -74,7 +75,8 @@ class WorkerConfig:
                    draft_model=str(sp.draft_model) if sp.on_target else "",
                    num_draft_tokens=sp.num_tokens if sp.on_target else 0,
                    draft_passes=passes, compile_buckets=tuple(compile_buckets(cfg)),
-                   verify_row_tokens=1 + (sp.num_tokens if sp.enabled else 0))
+                   verify_row_tokens=1 + (sp.num_tokens if sp.enabled else 0),
+                   verify_laws=sp.enabled and sp.method != "ngram")
 
 
 def _param_bytes(model) -> tuple[int, int]:
@@ -157,33 +159,33 @@ class Worker:
                                reserve)
 
     def activation_reserve(self) -> int:
-        """Bytes the largest steps the scheduler can build hold beyond the weights (activations, logits, the
-        sampler's sorts), measured before the KV pool is sized so that the pool leaves them room (vLLM's profile
-        run): a prompt chunk of max_num_batched_tokens (of sequences no longer than the model's positions), then
-        max_num_seqs verify rows of 1 + num_tokens tokens sampled with top-p, on a pool just large enough for them,
-        dropped after. Every rank runs them (their collectives). 0 off CUDA, where nothing counts a step's memory
-        (`peak_bytes_during`): nothing runs."""
-        sc = self.cfg.scheduler
-        bs, T, q = sc.block_size, sc.max_num_batched_tokens, min(self.cfg.verify_row_tokens, sc.max_num_batched_tokens)
-        L = min(T, self.spec.max_position_embeddings)  # a chunk's rows: no sequence is longer than the model's positions
-        rows = max(1, min(sc.max_num_seqs, T // q))
-        blocks = max(T // L * -(-L // bs), rows * -(-q // bs))
-        steps = [profile_input(T // L, L, bs, blocks, verify=False),
-                 profile_input(rows, q, bs, blocks, temperature=1.0, top_p=0.9)]
+        """Bytes the largest steps the scheduler can build hold beyond the weights and the KV pool (activations,
+        logits, the captured layers a DSpark drafter reads, draft laws, the sampler's sorts), measured before the
+        pool is sized so that it leaves them room (vLLM's profile run): `memory_profile_steps` on a pool just large
+        enough for them, dropped after. Every rank runs them (their collectives). Not counted: a drafter's own
+        rounds on the target. 0 off CUDA, where nothing counts a step's memory (`peak_bytes_during`): nothing
+        runs."""
+        sc, cfg = self.cfg.scheduler, self.cfg
+        law = self.model.lm_head.weight.dtype if cfg.verify_laws else None
+        steps, blocks = memory_profile_steps(sc.max_num_batched_tokens, sc.max_num_seqs, cfg.verify_row_tokens,
+                                             self.spec.max_position_embeddings, sc.block_size, self.spec.vocab_size,
+                                             law)
 
         def run():
-            allocate_kv_cache(self.model, blocks, bs, self.device)
-            try:
-                for d in self.dispatchers:
-                    d.capacity = 0  # exact splits (a step's own capacity comes with it)
-                for step in steps:
-                    execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0)
-            finally:
-                for attn in self.model.attention_layers:
-                    attn.kv_cache = None
-                self.model.captured = None
+            allocate_kv_cache(self.model, blocks, sc.block_size, self.device)
+            for d in self.dispatchers:
+                d.capacity = 0  # exact splits (a step's own capacity comes with it)
+            for step in steps:
+                execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
+                             export_layers=cfg.export_layers)
 
-        return peak_bytes_during(run, self.device)
+        try:  # (the peak holds the pool: taken off)
+            peak = peak_bytes_during(run, self.device)
+        finally:
+            for attn in self.model.attention_layers:
+                attn.kv_cache = None
+            self.model.captured = None
+        return max(0, peak - blocks * kv_bytes_per_block(self.model, sc.block_size))
 
     def allocate_kv(self, num_blocks: int) -> int:
         """Allocate the KV pool; returns the bytes one block takes on this rank."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,15 +35,11 @@ def open_rendezvous(timeout_s: float = 300.0) -> dist.TCPStore:
     the OS picks as it binds (`.port`), so nothing can take the port between choosing and binding
     it. Opened by whoever hands the port out (rank 0's actor, a launching parent) and kept alive
     while the world forms; every rank then joins it as a client (`init_parallel`)."""
-    from datetime import timedelta
-
     return dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def join_rendezvous(master_addr: str, master_port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     """A rank's client of the rendezvous `open_rendezvous` serves at master_addr:master_port."""
-    from datetime import timedelta
-
     return dist.TCPStore(master_addr, master_port, None, False, timedelta(seconds=timeout_s))
 
 
@@ -126,8 +123,6 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
     (collective: every rank of that world calls this with the same address, port and sizes). The
     rendezvous at master_addr:master_port is `open_rendezvous`'s; a rank that opened it passes
     its `store` instead of dialling itself."""
-    from datetime import timedelta
-
     backend = resolve_backend(backend, device)
     if backend == "gloo":
         bind_gloo_to_route(master_addr)
@@ -135,6 +130,7 @@ def init_parallel(rank: int, world_size: int, tp_size: int, master_addr: str, ma
         torch.cuda.set_device(device)
     if store is None:
         store = join_rendezvous(master_addr, master_port, timeout_s)
+    store.set_timeout(timedelta(seconds=timeout_s))  # (rank 0's was opened with open_rendezvous's own)
     dist.init_process_group(
         backend=backend,
         store=store,

@@ -88,8 +88,15 @@ def _ep_rank(rank, world, port, path, prompts, q):
 
     state = init_parallel(rank, world, 1, "127.0.0.1", port, "gloo", torch.device("cpu"))
     spec = load_spec(path, "float32")
-    cfg = load_config({"model": {"path": str(path), "dtype": "float32"}, "scheduler": {"block_size": 4}})
+    cfg = load_config({"model": {"path": str(path), "dtype": "float32"},
+                       "scheduler": {"block_size": 4, "max_num_batched_tokens": 96, "max_num_seqs": 8}})
     worker = Worker(WorkerConfig.of(cfg), spec, "cpu", rank, world, state)
+    # the KV plan's profile run (on CUDA, measured): its steps on every rank, their all-to-alls lined up; it leaves
+    # no pool and no state the steps below would see
+    from dspark_cluster import worker as worker_module
+
+    worker_module.peak_bytes_during = lambda run, device: run() or 2**30  # (the pool comes off it)
+    out = {"reserve": worker.activation_reserve(), "pool_after": worker.model.attention_layers[0].kv_cache}
     mine = prompts[rank]  # each rank is its own data-parallel group, with its own batch
     width = max(8, -(-max(len(p) for ps in prompts for p in ps) // 4))  # blocks of 4 a sequence
     worker.allocate_kv(max(64, len(mine) * width))
@@ -97,7 +104,7 @@ def _ep_rank(rank, world, port, path, prompts, q):
     lens = torch.tensor([len(p) for p in mine])
     cap = expert_capacity([sum(len(p) for p in ps) for ps in prompts], 1, spec.top_k, world,
                           spec.hidden_size * 4)
-    out = {"capacity": cap}
+    out["capacity"] = cap
     from dspark_cluster.model import layers
     by_slot, calls = layers.experts_by_slot, []  # the experts slot by slot (many rows a slot on the CPU)
     layers.experts_by_slot = lambda *a, **kw: calls.append(a[4] is gemm.plain_linear) or by_slot(*a, **kw)
@@ -157,7 +164,7 @@ def test_padded_expert_all_to_all_matches_exact_splits_with_no_host_sync(long, t
     spec = load_spec(path, "float32")
     whole = load_model(path, spec)
     for rank, out in got.items():
-        assert out["capacity"] > 0
+        assert out["capacity"] > 0 and 0 < out["reserve"] < 2**30 and out["pool_after"] is None
         out = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in out.items()}
         torch.testing.assert_close(out["padded"], out["exact"], rtol=0, atol=1e-6)
         assert torch.equal(out["padded_load"], out["exact_load"])

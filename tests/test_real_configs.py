@@ -210,11 +210,13 @@ def test_kv_cache_memory_as_a_share_of_what_the_weights_leave(checkpoint, monkey
 
 def test_the_kv_pool_leaves_the_largest_steps_room(checkpoint, monkeypatch):
     """A share of kv_cache_memory is of what the weights leave less what the largest steps hold on top (activations,
-    logits, the sampler's sorts: vLLM's profile run), or the first long prompt chunk or full verify step after start-up
-    runs out of device memory. The steps are the largest the scheduler builds: a prompt chunk of
-    max_num_batched_tokens, and max_num_seqs verify rows of 1 + num_tokens tokens sampled with top-p, on a pool just
-    large enough, dropped before the real one is made. Measured by CUDA's allocator statistics (faked here: the CPU
-    keeps none, and off CUDA nothing runs); the steps themselves run here, for real."""
+    logits, captured layers, draft laws, the sampler's sorts: vLLM's profile run), or the first long prompt chunk or
+    full verify step after start-up runs out of device memory. The steps are the largest the scheduler builds: a prompt
+    chunk of max_num_batched_tokens (of sequences no longer than the model's positions), and max_num_seqs verify rows
+    of 1 + num_tokens tokens with their drafts' laws, all sampled with top-p, random tokens (zeros would send every
+    token to the same experts), on a pool just large enough, taken off the peak and dropped before the real one is
+    made. Measured by CUDA's allocator statistics (stood in here: the CPU keeps none, and off CUDA nothing runs);
+    the steps themselves run here, for real."""
     from dspark_cluster import LLM, SamplingParams, kv_cache, worker
 
     gib = 2**30
@@ -226,35 +228,39 @@ def test_the_kv_pool_leaves_the_largest_steps_room(checkpoint, monkeypatch):
     assert kv_cache.peak_bytes_during(lambda: alloc.update(peak=alloc["now"] + 3 * gib), "cuda:0") == 3 * gib
     assert kv_cache.peak_bytes_during(lambda: 1 / 0, "cpu") == 0  # not run where nothing measures it
 
-    steps, caches = [], []
+    steps, pools = [], []
     execute_step = worker.execute_step
 
-    def profiled(run, device):
+    def measured(run, device):  # the steps run; the peak read as their pool and 16 MiB on top
         def recording(model, step, *args, **kwargs):
+            laws = None if step.draft_probs is None else (tuple(step.draft_probs.shape), step.draft_probs.dtype)
             steps.append((step.query_lens.tolist(), None if step.num_draft is None else step.num_draft.tolist(),
-                          step.temperature.tolist(), step.sample_rows.tolist()))
-            caches.append(model.attention_layers[0].kv_cache[0].shape[0])
+                          step.temperature.tolist(), laws, step.input_ids.unique().numel() > 1))
+            pools.append(model.attention_layers[0].kv_cache[0].shape[0] * kv_cache.kv_bytes_per_block(model, 4))
             return execute_step(model, step, *args, **kwargs)
 
         monkeypatch.setattr(worker, "execute_step", recording)
         run()
         monkeypatch.setattr(worker, "execute_step", execute_step)
-        return 16 * 2**20
+        return pools[0] + 16 * 2**20
 
-    monkeypatch.setattr(worker, "peak_bytes_during", profiled)
+    monkeypatch.setattr(worker, "peak_bytes_during", measured)
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: 64 * 2**20)
     config = {"scheduler": {"kv_cache_memory": 0.5, "block_size": 4, "max_num_batched_tokens": 1100, "max_num_seqs": 4},
-              "speculative": {"method": "ngram", "num_tokens": 3}}
+              "speculative": {"method": "draft_model", "draft_model": str(checkpoint("llama")), "num_tokens": 3}}
     llm = LLM(checkpoint("qwen3_moe"), config=config)
     try:
         ex = llm.engine.executor
         per_block = kv_cache.kv_bytes_per_block(ex.model, 4)
         assert llm.engine.num_blocks == (64 - 16) * 2**20 // 2 // per_block
         assert ex.worker.memory_report()["activation_reserve_bytes"] == 16 * 2**20
-        # a prompt chunk of 1100 tokens at most, of sequences no longer than the model's 512 positions, each sampling
-        # its last token; 4 verify rows of 1 + 3 tokens, sampled; on a pool of 2 x 128 blocks
-        assert steps == [([512, 512], None, [0.0] * 2, [0, 1]), ([4] * 4, [3] * 4, [1.0] * 4, [0, 1, 2, 3])]
-        assert caches == [256, 256]
+        # a prompt chunk of 1100 tokens, of sequences no longer than the model's 512 positions, each sampling its last
+        # token; 4 verify rows of 1 + 3 tokens with their drafts' laws [4, 3, V]; both sampled, random tokens, on a
+        # pool of 128 + 128 + 19 blocks
+        V = ex.model.spec.vocab_size
+        assert steps == [([512, 512, 76], None, [1.0] * 3, None, True),
+                         ([4] * 4, [3] * 4, [1.0] * 4, ((4, 3, V), torch.float32), True)]
+        assert pools == [275 * per_block] * 2
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         assert len(llm.generate([[3, 4, 5, 3, 4, 5]], params)[0].token_ids) == 6  # on the pool made after
     finally:
