@@ -17,7 +17,8 @@ def test_a_worker_gets_only_the_sections_it_needs():
     w = WorkerConfig.of(cfg)
     assert {f for f in vars(w)} == {"model", "parallel", "scheduler", "num_redundant_experts", "hot_experts",
                                     "hot_bias", "export_layers", "record_top_logprobs", "context_window",
-                                    "draft_model", "num_draft_tokens", "draft_passes", "compile_buckets"}
+                                    "draft_model", "num_draft_tokens", "draft_passes", "compile_buckets",
+                                    "verify_row_tokens", "verify_laws"}
     assert w.num_redundant_experts == 2 and w.hot_experts == (1, 3) and w.hot_bias == 4.0
     assert w.export_layers == () and w.record_top_logprobs == 20  # the run's speculative constants (no drafter)
     dspark = WorkerConfig.of(load_config({"speculative": {"method": "dspark", "draft_model": "tiny-dspark"}}))
@@ -27,6 +28,8 @@ def test_a_worker_gets_only_the_sections_it_needs():
     assert dspark.draft_model.endswith("tiny-dspark") and dspark.num_draft_tokens == 4
     # model.compile's buckets reach a full batch's verify step (64 sequences x (1 + 4)), as the engine pads them
     assert w.compile_buckets[-1] == 64 and dspark.compile_buckets[-1] == 64 * 5
+    # what the KV plan's profile run builds its verify step from (`Worker.activation_reserve`)
+    assert (w.verify_row_tokens, w.verify_laws, dspark.verify_row_tokens, dspark.verify_laws) == (1, False, 5, True)
     # the bundled drafter takes a second pass where draft_passes resolves to it (auto: on CUDA; or asked for)
     for device, passes, want in (("cpu", "auto", 1), ("cuda", "auto", 2), ("cpu", 2, 2), ("cuda", 1, 1)):
         sp = {"method": "dspark", "draft_model": "tiny-dspark", "draft_passes": passes}
