@@ -7,9 +7,10 @@ and how long checking them takes on the host (every step, before any kernel runs
 
 Each arm compiles in a process of its own (dynamo's caches and counters are per process); the check is the
 graph's guard manager run on the step's own arguments, 5 x 200 times (microseconds, median of the five); the step
-(one token at context 40, the runner's call) 6 x 100 times (ms, median of each hundred), interleaved with as many
-under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)` (dynamo checks only the guards that tell the frame's
-graphs apart: what the whole guard evaluation costs a step, in situ).
+(one token at context 40, the runner's call) 6 x 100 times (ms, median of each hundred) through dynamo's guards,
+interleaved with as many under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)` (dynamo checks only the
+guards that tell the frame's graphs apart: what the guard evaluation costs a step, in situ) and as many as the
+runner calls its graphs (their code directly while its traced key holds: `CompiledSteps.forward`).
 """
 
 from __future__ import annotations
@@ -81,24 +82,29 @@ def arm(layers: int, keep_all: bool) -> dict:
     for _ in range(10):
         runner(step)
 
-    def hundred(skip: bool) -> float:
+    direct = runner.direct
+
+    def hundred(arm: str) -> float:
+        runner.direct = arm == "direct"
         times = []
         for _ in range(100):
             t = time.perf_counter()
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=arm == "skip"):
                 runner(step)
             times.append((time.perf_counter() - t) * 1e3)
         return statistics.median(times)
 
-    # the step as it runs, and with dynamo evaluating only the guards that tell its graphs apart (what versioned
-    # traced values would allow: unsafe as it stands, a value the trace read could change unseen), interleaved
-    step_ms, skip_ms = [], []
+    # the step through dynamo's guards, with dynamo evaluating only the guards that tell its graphs apart (the
+    # process-wide stance), and as the runner calls it (its graph's code directly, `CompiledSteps.forward`),
+    # interleaved
+    ms = {"guarded": [], "skip": [], "direct": []}
     for i in range(6):
-        for skip in ((False, True) if i % 2 == 0 else (True, False)):
-            (skip_ms if skip else step_ms).append(hundred(skip))
+        for arm in (ms if i % 2 == 0 else reversed(list(ms))):
+            ms[arm].append(hundred(arm))
     return {"guards": counts[-1][0], "kept": counts[-1][1], "by_kind": dict(counts[-1][2].most_common()),
-            "check_us": statistics.median(us), "check_us_runs": us, "step_ms_runs": step_ms,
-            "step_ms_skip_guards_runs": skip_ms, "warm_up_s": warm}
+            "check_us": statistics.median(us), "check_us_runs": us, "step_ms_runs": ms["guarded"],
+            "step_ms_skip_guards_runs": ms["skip"], "step_ms_direct_runs": ms["direct"], "direct": direct,
+            "warm_up_s": warm}
 
 
 def main() -> None:
@@ -117,11 +123,13 @@ def main() -> None:
                              capture_output=True, text=True, check=True).stdout
         res[name] = json.loads(out.strip().splitlines()[-1])
         r = res[name]
-        print(f"{name}: {r['kept']} of {r['guards']} guards, check {r['check_us']:.1f} us, step ms "
-              f"{', '.join(f'{x:.2f}' for x in r['step_ms_runs'])} (median {statistics.median(r['step_ms_runs']):.2f}); "
-              f"only the guards between its graphs {', '.join(f'{x:.2f}' for x in r['step_ms_skip_guards_runs'])} "
-              f"(median {statistics.median(r['step_ms_skip_guards_runs']):.2f}) (warm-up {r['warm_up_s']:.1f} s)",
-              flush=True)
+        def runs(key):
+            return f"{', '.join(f'{x:.2f}' for x in r[key])} (median {statistics.median(r[key]):.2f})"
+
+        print(f"{name}: {r['kept']} of {r['guards']} guards, check {r['check_us']:.1f} us, step ms through the guards "
+              f"{runs('step_ms_runs')}; only the guards between its graphs {runs('step_ms_skip_guards_runs')}; the "
+              f"runner's direct call {runs('step_ms_direct_runs')}, direct: {r['direct']} (warm-up "
+              f"{r['warm_up_s']:.1f} s)", flush=True)
     print("guards by kind:", res["all"]["by_kind"])
     print(f"filtered / all: {res['filtered']['check_us'] / res['all']['check_us']:.2f}x")
     if args.json:

@@ -262,8 +262,11 @@ def outputs_overwritten_by_the_next_call(steps, draft=None) -> list:
             return out
         return call
 
-    steps.fn = overwriting(steps.fn, lambda hidden: [hidden, model.captured, *(m.last_load for m in model.moe_layers),
-                                                     *(m.last_slot_load for m in model.moe_layers)], "steps")
+    def step_outputs(hidden):
+        return [hidden, model.captured, *(m.last_load for m in model.moe_layers),
+                *(m.last_slot_load for m in model.moe_layers)]
+
+    steps.forward = overwriting(steps.forward, step_outputs, "steps")
     if draft is not None:
         draft.fn = overwriting(draft.fn, list, "draft")
     return calls

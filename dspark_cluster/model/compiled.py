@@ -28,6 +28,13 @@ states, which the context stash holds across idle steps) is copied out.
                                         every bucket first (inductor's graph trees are per thread)
     runner.stats() -> dict              buckets, warm-up seconds, graphs compiled, recompiles since (and CUDA
                                         graphs recorded, before the first steps and since)
+
+Dynamo checks a graph's guards on the host before every call (~80 a layer, ~1.5 ms a step at DeepSeek-V3's 61
+layers on a CPU host). A runner drops those on its modules' tensors (`module_guard_filter`), and while the module
+values its graphs read that can change (`TRACED_VALUES`, read by `traced_key`) are those they were checked under,
+calls the graph's code directly (`CompiledSteps.forward`, as vLLM's dispatcher does); every other value a guard
+reads is fixed at load (`FIXED_VALUES`; a value in neither keeps every step guarded, tested per architecture), as
+are the functions and module constants a trace inlines (one patched after the warm-up is seen by guarded calls only).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import re
 import threading
 import time
 import types
@@ -172,6 +180,37 @@ _STATIC_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "EMPTY_NN_
                                    "NOT_PRESENT_IN_GENERIC_DICT", "DICT_NOT_CONTAINS"})
 
 
+# The module values the steps' graphs read (the kept guards' sources, `guarded_values`) that can change while a runner
+# serves: a step whose `traced_key` is the one its graphs were checked under calls them without dynamo's guards
+# (`CompiledSteps.forward`); a change of any takes the guarded call, which recompiles where the graphs read it
+TRACED_VALUES = frozenset({"study", "identity_slots", "dispatch", "expert_ids", "_kv_cache"})
+# and those the architecture fixes at load (sizes, flags, fused projections' splits, the decoder's layers)
+FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
+                          "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
+                          "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
+                          "topk_group", "vdim", "layers", "mlp"})
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "SEQUENCE_LENGTH", "DICT_KEYS_MATCH", "HASATTR",
+                           "ID_MATCH"})
+
+
+def guarded_value(entry) -> "str | None":
+    """The module attribute a kept value guard reads ("study" of `self.model.layers[3].mlp.study`), or None for one
+    that reads no module value of the runner (types, globals, the call's own arguments)."""
+    if entry.guard_type not in _VALUE_GUARDS or not entry.name.startswith("self"):
+        return None
+    parts = [a or b for a, b in re.findall(r"\.(\w+)|\['(\w+)'\]", entry.name)]
+    parts = [x for x in parts if not x.isdigit() and x not in ("_modules", "_parameters", "_buffers", "__dict__")]
+    return parts[-1] if parts else None
+
+
+def traced_key(model) -> tuple:
+    """The TRACED_VALUES of a model as its steps' graphs read them (~5 reads a layer), and the global state a
+    guard reads (grad mode, deterministic algorithms)."""
+    return (torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+            tuple((m.study, m.identity_slots, id(m.dispatch), len(m.expert_ids)) for m in model.moe_layers),
+            tuple(id(a.kv_cache) for a in model.attention_layers))
+
+
 def module_guard_filter(entries) -> list:
     """dynamo's `guard_filter_fn` for a runner's compiled function: False for the guards in `_STATIC_MODULE_GUARDS` on
     sources inside its modules, True for every other (and for all, where this torch describes guards otherwise)."""
@@ -185,16 +224,18 @@ def module_guard_filter(entries) -> list:
     return keep
 
 
-def compile_own(method, options=None):
+def compile_own(method, options=None, guard_filter=None):
     """torch.compile of a bound method through a copy of its code: dynamo keeps graphs and guards per code object, so
     the runner's are its own. Two models of one class in a process (engines, tests) then never reuse each other's
     graphs, which the guards `module_guard_filter` drops (their tensors' shapes) would otherwise no longer prevent,
-    and a runner's graph count is its own. Static shapes; the runner's guard filter added to `options`."""
+    and a runner's graph count is its own. Static shapes; the runner's guard filter (`module_guard_filter` unless
+    given) added to `options`."""
     f = method.__func__
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     own.__kwdefaults__, own.__qualname__ = f.__kwdefaults__, f.__qualname__
     return torch.compile(types.MethodType(own, method.__self__), dynamic=False,
-                         options={**(options or {}), "guard_filter_fn": module_guard_filter}), own.__code__
+                         options={**(options or {}), "guard_filter_fn": guard_filter or module_guard_filter}), \
+        own.__code__
 
 
 def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
@@ -236,7 +277,19 @@ class CompiledSteps:
         # past dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
-        self.fn, self.code = compile_own(model.forward, options)
+        self.guarded_values: set = set()  # the module values the kept guards read (`guarded_value`)
+
+        def guard_filter(entries):
+            keep = module_guard_filter(entries)
+            self.guarded_values |= {guarded_value(e) for e, k in zip(entries, keep) if k} - {None}
+            return keep
+
+        self.fn, self.code = compile_own(model.forward, options, guard_filter)
+        self._globals = model.forward.__func__.__globals__
+        # the direct dispatch (`forward`): on or off after the warm-up; (one token, capture) -> the graph's code as a
+        # function, the key and graph count it was found under
+        self.direct, self._direct, self._direct_key, self._direct_graphs = False, {}, None, None
+        self.direct_steps = 0  # steps that called their graphs without dynamo's guards
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
@@ -275,7 +328,7 @@ class CompiledSteps:
         ids, positions, real = self._padded(step.input_ids, positions, T)
         mark = functions_mark(self.device)
         with step_context(meta.to(self.device, self.model.lm_head.weight.dtype)):
-            hidden = self.fn(ids, positions, None, capture, real)
+            hidden = self.forward(ids, positions, capture, real)
         # (a graph recorded now, a size or a recompile the passes did not see, is a new function: this runner's)
         note_functions(self.cuda_graph_functions, self.device, mark)
         self.steps += 1
@@ -283,6 +336,40 @@ class CompiledSteps:
         if self.model.captured is not None:  # (held past the next step by the context stash: out of the graph's memory)
             self.model.captured = self.model.captured[:T].clone()
         return hidden[:T]
+
+    def forward(self, ids, positions, capture: tuple, real):
+        """The padded step's graphs. Dynamo checks ~80 guards a layer before a graph runs (~1 ms a step at DeepSeek-V3's
+        61 layers on a CPU host, BENCHMARKS.md): where the model's `traced_key` is the one the graphs were last checked
+        under, the graph's own code is called directly (vLLM's dispatch: the module values the guards read are those
+        the key holds, or fixed at load, `FIXED_VALUES`); otherwise the guarded call, which recompiles where needed,
+        and the direct functions are found again for the new key."""
+        if not self.direct:
+            return self.fn(ids, positions, None, capture, real)
+        key = traced_key(self.model)
+        run = self._direct.get((ids.shape[0] == 1, capture)) if key == self._direct_key else None
+        if run is not None:
+            self.direct_steps += 1
+            return run(self.model, ids, positions, None, capture, real)
+        out = self.fn(ids, positions, None, capture, real)
+        if key != self._direct_key or _graphs() != self._direct_graphs:
+            self._find_direct(key)
+        return out
+
+    def _find_direct(self, key: tuple) -> None:
+        """The direct functions for the model's present key: for each capture and token count (one, or more) the code
+        of the graph whose guards pass for such a step now."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        self._direct, self._direct_key, self._direct_graphs = {}, key, _graphs()
+        entries = _debug_get_cache_entry_list(self.code)
+        for one, capture in itertools.product((True, False) if self.buckets[-1] > 1 else (True,), self.captures):
+            n = 1 if one else 2
+            step = {"self": self.model, "input_ids": torch.zeros(n, dtype=torch.long, device=self.device),
+                    "positions": torch.zeros(n, dtype=torch.long, device=self.device), "meta": None,
+                    "capture": capture, "real": torch.ones(n, dtype=torch.bool, device=self.device)}
+            entry = next((e for e in entries if e.guard_manager.check(step)), None)
+            if entry is not None:
+                self._direct[one, capture] = types.FunctionType(entry.code, self._globals, "forward")
 
     def _run_buckets(self, runs: int, on_bucket=None) -> None:
         """Every bucket and capture `runs` times with a step of padding rows only (one bucket at a time: on CUDA a
@@ -321,6 +408,15 @@ class CompiledSteps:
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
+        # the direct dispatch (`forward`) where a step is one graph of each kind as expected and every module value
+        # its guards read is keyed or fixed
+        unknown = self.guarded_values - TRACED_VALUES - FIXED_VALUES
+        if unknown:
+            log.warning("model.compile: the steps' graphs read %s, neither keyed nor fixed (compiled.TRACED_VALUES / "
+                        "FIXED_VALUES): every step checks dynamo's guards", sorted(unknown))
+        self.direct = not unknown and self.one_graph_a_step() and self.warm_up_graphs == self.graphs_expected()
+        if self.direct:
+            self._find_direct(traced_key(self.model))
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
         # design)
@@ -360,6 +456,7 @@ class CompiledSteps:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
                 "compile_graphs": graphs, "compile_steps": self.steps, "compile_verify_steps": self.verify_steps,
+                "compile_direct_steps": self.direct_steps,
                 # a capture's for one token and for the larger buckets when each step is one whole graph (expected)
                 "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
                 "compile_warm_up_graphs_by_bucket": self.warm_up_graphs_by_bucket,
