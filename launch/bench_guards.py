@@ -85,7 +85,7 @@ def arm(layers: int, keep_all: bool) -> dict:
     direct = runner.direct
 
     def hundred(arm: str) -> float:
-        runner.direct = arm == "direct"
+        runner.direct = direct and arm == "direct"
         times = []
         for _ in range(100):
             t = time.perf_counter()

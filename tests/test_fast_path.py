@@ -631,17 +631,25 @@ def test_every_module_value_a_runners_guards_read_is_keyed_or_fixed(tmp_path):
     either in `traced_key` (checked before each step) or fixed when the model is loaded: each architecture's kept
     guards read only those, so its runner dispatches directly. A new value read (a flag a layer's forward grows)
     fails here until it is keyed or named fixed (until then the runner checks dynamo's guards: slower, never wrong)."""
+    from types import SimpleNamespace
+
     from dspark_cluster.model import compiled
 
     for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "llama"):
         path = build_checkpoint(arch, tmp_path / arch)
         model = load_model(path, load_spec(path, "float32"))
         allocate_kv_cache(model, 8, 4, torch.device("cpu"))
-        runner = compiled.CompiledSteps(model, [1], "cpu")
+        runner = compiled.CompiledSteps(model, [1, 2, 4], "cpu", captures=((), (1,)))  # each kind of graph
         runner.warm_up()
-        assert runner.guarded_values and runner.guarded_values <= compiled.TRACED_VALUES | compiled.FIXED_VALUES, \
-            (arch, runner.guarded_values - compiled.TRACED_VALUES - compiled.FIXED_VALUES)
-        assert runner.direct, arch
+        assert runner.guarded_values and not compiled.unknown_values(runner.guarded_values), \
+            (arch, compiled.unknown_values(runner.guarded_values))
+        assert runner.direct and len(runner._direct) == 4, arch  # (one token, more) x (no capture, layer 1)
+    # a value read by index is not what its length keys; a guard on the module's own types is not a value
+    entry = lambda name, kind: SimpleNamespace(name=name, guard_type=kind)  # noqa: E731
+    layer = "self._modules['model']._modules['layers']._modules['3']._modules['mlp']"
+    assert compiled.guarded_value(entry(layer + ".expert_ids", "SEQUENCE_LENGTH")) == ("expert_ids", "SEQUENCE_LENGTH")
+    assert compiled.unknown_values({compiled.guarded_value(entry(layer + ".expert_ids[5]", "EQUALS_MATCH"))})
+    assert compiled.guarded_value(entry(layer, "TYPE_MATCH")) is None
 
 
 def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(monkeypatch):

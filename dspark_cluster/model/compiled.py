@@ -32,9 +32,10 @@ states, which the context stash holds across idle steps) is copied out.
 Dynamo checks a graph's guards on the host before every call (~80 a layer, ~1.5 ms a step at DeepSeek-V3's 61
 layers on a CPU host). A runner drops those on its modules' tensors (`module_guard_filter`), and while the module
 values its graphs read that can change (`TRACED_VALUES`, read by `traced_key`) are those they were checked under,
-calls the graph's code directly (`CompiledSteps.forward`, as vLLM's dispatcher does); every other value a guard
-reads is fixed at load (`FIXED_VALUES`; a value in neither keeps every step guarded, tested per architecture), as
-are the functions and module constants a trace inlines (one patched after the warm-up is seen by guarded calls only).
+and dynamo's global-state guard passes, calls the graph's code directly (`CompiledSteps.forward`, as vLLM's
+dispatcher does); every other value a guard reads is fixed at load (`FIXED_VALUES`; a value in neither keeps every
+step guarded, tested per architecture), as are the functions and module constants a trace inlines (one patched
+after the warm-up is seen by guarded calls only).
 """
 
 from __future__ import annotations
@@ -180,34 +181,43 @@ _STATIC_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "EMPTY_NN_
                                    "NOT_PRESENT_IN_GENERIC_DICT", "DICT_NOT_CONTAINS"})
 
 
-# The module values the steps' graphs read (the kept guards' sources, `guarded_values`) that can change while a runner
-# serves: a step whose `traced_key` is the one its graphs were checked under calls them without dynamo's guards
-# (`CompiledSteps.forward`); a change of any takes the guarded call, which recompiles where the graphs read it
-TRACED_VALUES = frozenset({"study", "identity_slots", "dispatch", "expert_ids", "_kv_cache"})
-# and those the architecture fixes at load (sizes, flags, fused projections' splits, the decoder's layers)
+# The module values the steps' graphs read (the kept guards on the runner's modules, `guarded_values`: (attribute,
+# guard kind)) that can change while a runner serves, each with the guard kinds `traced_key` covers: a step whose
+# key is the one its graphs were checked under calls them without dynamo's guards (`CompiledSteps.forward`); a
+# change takes the guarded call, which recompiles where the graphs read it
+TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONSTANT_MATCH"),
+                           ("dispatch", "CONSTANT_MATCH"), ("dispatch", "ID_MATCH"),
+                           ("expert_ids", "SEQUENCE_LENGTH"), ("_kv_cache", "SEQUENCE_LENGTH")})
+# and the attributes the architecture fixes at load, whatever the guard (sizes, flags, fused projections' splits, the
+# decoder's layers, the communicator's ranks, a method's defaults); module types are fixed too
 FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
                           "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
                           "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
-                          "topk_group", "vdim", "layers", "mlp"})
-_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "SEQUENCE_LENGTH", "DICT_KEYS_MATCH", "HASATTR",
-                           "ID_MATCH"})
+                          "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "__defaults__", "__defaults__[]",
+                          "sizes[]", "fget"})
 
 
-def guarded_value(entry) -> "str | None":
-    """The module attribute a kept value guard reads ("study" of `self.model.layers[3].mlp.study`), or None for one
-    that reads no module value of the runner (types, globals, the call's own arguments)."""
-    if entry.guard_type not in _VALUE_GUARDS or not entry.name.startswith("self"):
+def guarded_value(entry) -> "tuple | None":
+    """(attribute, guard kind) of a kept guard on the runner's modules ("study" of `self.model.layers[3].mlp.study`;
+    an element read by index is "name[]", keyed by nothing), or None for a guard that reads none (globals, the call's
+    own arguments, a module's type)."""
+    if "self" not in entry.name or entry.guard_type == "TYPE_MATCH":
         return None
-    parts = [a or b for a, b in re.findall(r"\.(\w+)|\['(\w+)'\]", entry.name)]
-    parts = [x for x in parts if not x.isdigit() and x not in ("_modules", "_parameters", "_buffers", "__dict__")]
-    return parts[-1] if parts else None
+    parts = [a or b or f"[{c}]" for a, b, c in re.findall(r"\.(\w+)|\['(\w+)'\]|\[(\d+)\]", entry.name)]
+    parts = [x for x in parts if x not in ("_modules", "_parameters", "_buffers", "__dict__", "__mro__")]
+    trailing = bool(parts) and parts[-1].startswith("[")
+    names = [x for x in parts if not x.startswith("[") and not x.isdigit()]
+    return (names[-1] + ("[]" if trailing else ""), entry.guard_type) if names else None
+
+
+def unknown_values(guarded: set) -> set:
+    """The guarded (attribute, kind) pairs neither keyed nor fixed."""
+    return {(a, k) for a, k in guarded if (a, k) not in TRACED_VALUES and a not in FIXED_VALUES}
 
 
 def traced_key(model) -> tuple:
-    """The TRACED_VALUES of a model as its steps' graphs read them (~5 reads a layer), and the global state a
-    guard reads (grad mode, deterministic algorithms)."""
-    return (torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
-            tuple((m.study, m.identity_slots, id(m.dispatch), len(m.expert_ids)) for m in model.moe_layers),
+    """The TRACED_VALUES of a model as its steps' graphs read them (~5 reads a layer)."""
+    return (tuple((m.study, m.identity_slots, id(m.dispatch), len(m.expert_ids)) for m in model.moe_layers),
             tuple(id(a.kv_cache) for a in model.attention_layers))
 
 
@@ -277,7 +287,7 @@ class CompiledSteps:
         # past dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
-        self.guarded_values: set = set()  # the module values the kept guards read (`guarded_value`)
+        self.guarded_values: set = set()  # (attribute, guard kind) of the kept guards on its modules (`guarded_value`)
 
         def guard_filter(entries):
             keep = module_guard_filter(entries)
@@ -289,6 +299,7 @@ class CompiledSteps:
         # the direct dispatch (`forward`): on or off after the warm-up; (one token, capture) -> the graph's code as a
         # function, the key and graph count it was found under
         self.direct, self._direct, self._direct_key, self._direct_graphs = False, {}, None, None
+        self._global_state = None  # dynamo's global state guard, taken when the direct functions were found
         self.direct_steps = 0  # steps that called their graphs without dynamo's guards
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
@@ -338,38 +349,50 @@ class CompiledSteps:
         return hidden[:T]
 
     def forward(self, ids, positions, capture: tuple, real):
-        """The padded step's graphs. Dynamo checks ~80 guards a layer before a graph runs (~1 ms a step at DeepSeek-V3's
-        61 layers on a CPU host, BENCHMARKS.md): where the model's `traced_key` is the one the graphs were last checked
-        under, the graph's own code is called directly (vLLM's dispatch: the module values the guards read are those
-        the key holds, or fixed at load, `FIXED_VALUES`); otherwise the guarded call, which recompiles where needed,
-        and the direct functions are found again for the new key."""
+        """The padded step's graphs. Dynamo checks ~80 guards a layer before a graph runs (~1.5 ms a step at
+        DeepSeek-V3's 61 layers on a CPU host, BENCHMARKS.md): where the model's `traced_key` and the global state
+        dynamo guards (grad mode, autocast, default dtype, deterministic algorithms, ...) are those the graphs were last
+        checked under, the graph's own code is called directly (vLLM's dispatch; the module values the guards read are
+        those the key holds, or fixed at load); otherwise the guarded call, which recompiles where needed, and the
+        direct functions are found again."""
         if not self.direct:
             return self.fn(ids, positions, None, capture, real)
         key = traced_key(self.model)
         run = self._direct.get((ids.shape[0] == 1, capture)) if key == self._direct_key else None
-        if run is not None:
+        if run is not None and self._global_state.check():
             self.direct_steps += 1
+            # (what torch.compile's entry does each call: inductor's CUDA graph trees start a new generation on it,
+            # the previous step's outputs then overwritten, not kept by recording a graph more)
+            torch._dynamo.mutation_guard.GenerationTracker.generation += 1
             return run(self.model, ids, positions, None, capture, real)
         out = self.fn(ids, positions, None, capture, real)
-        if key != self._direct_key or _graphs() != self._direct_graphs:
+        if key != self._direct_key or _graphs() != self._direct_graphs or not self._global_state.check():
             self._find_direct(key)
         return out
 
     def _find_direct(self, key: tuple) -> None:
-        """The direct functions for the model's present key: for each capture and token count (one, or more) the code
-        of the graph whose guards pass for such a step now."""
+        """The direct functions for the model's present key and global state: for each capture, the code of the graph
+        whose guards pass for a step of one token, and of the one whose guards pass for every larger bucket (no
+        function where buckets differ, or a step is cut into several graphs)."""
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        self._direct, self._direct_key, self._direct_graphs = {}, key, _graphs()
-        entries = _debug_get_cache_entry_list(self.code)
-        for one, capture in itertools.product((True, False) if self.buckets[-1] > 1 else (True,), self.captures):
-            n = 1 if one else 2
-            step = {"self": self.model, "input_ids": torch.zeros(n, dtype=torch.long, device=self.device),
-                    "positions": torch.zeros(n, dtype=torch.long, device=self.device), "meta": None,
-                    "capture": capture, "real": torch.ones(n, dtype=torch.bool, device=self.device)}
-            entry = next((e for e in entries if e.guard_manager.check(step)), None)
-            if entry is not None:
-                self._direct[one, capture] = types.FunctionType(entry.code, self._globals, "forward")
+        direct = {}
+        entries = [e for e in _debug_get_cache_entry_list(self.code) if not any(
+            n.startswith("__resume_at") for n in e.code.co_names)] if self.one_graph_a_step() else []
+        sizes = {True: [1], False: [b for b in self.buckets if b > 1]}
+        for (one, tokens), capture in itertools.product(sizes.items(), self.captures):
+            found = {next((e.code for e in entries if e.guard_manager.check(self._probe(n, capture))), None)
+                     for n in tokens}
+            if len(found) == 1 and None not in found:
+                direct[one, capture] = types.FunctionType(found.pop(), self._globals, "forward")
+        self._direct, self._direct_key, self._direct_graphs = direct, key, _graphs()
+        self._global_state = torch._C._dynamo.guards.GlobalStateGuard()
+
+    def _probe(self, n: int, capture: tuple) -> dict:
+        """The locals of a padded step of n tokens, as the graphs' guards read them."""
+        return {"self": self.model, "input_ids": torch.zeros(n, dtype=torch.long, device=self.device),
+                "positions": torch.zeros(n, dtype=torch.long, device=self.device), "meta": None, "capture": capture,
+                "real": torch.ones(n, dtype=torch.bool, device=self.device)}
 
     def _run_buckets(self, runs: int, on_bucket=None) -> None:
         """Every bucket and capture `runs` times with a step of padding rows only (one bucket at a time: on CUDA a
@@ -410,7 +433,7 @@ class CompiledSteps:
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
         # the direct dispatch (`forward`) where a step is one graph of each kind as expected and every module value
         # its guards read is keyed or fixed
-        unknown = self.guarded_values - TRACED_VALUES - FIXED_VALUES
+        unknown = unknown_values(self.guarded_values)
         if unknown:
             log.warning("model.compile: the steps' graphs read %s, neither keyed nor fixed (compiled.TRACED_VALUES / "
                         "FIXED_VALUES): every step checks dynamo's guards", sorted(unknown))
