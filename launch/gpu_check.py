@@ -482,9 +482,10 @@ def idle_stretches(llm, pattern) -> None:
 
 
 def compile_faults(stats) -> list:
-    """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up, skipped
-    CUDA graphs, a warm-up that compiled more graphs than expected (graph breaks, a batch size specialised; fewer
-    are an earlier engine's, reused), no compiled step."""
+    """What a model.compile run's stats show wrong: recompiles or CUDA graphs recorded after the warm-up (a direct
+    call that did not start a new generation would record one a step), skipped CUDA graphs, a warm-up that compiled
+    more graphs than expected (graph breaks, a batch size specialised; fewer are an earlier engine's, reused), no
+    compiled step, none that called its graphs without dynamo's guards (one process, one device: they all should)."""
     if stats is None:
         return ["no compiled runner"]
     bad = [k for k in ("compile_recompiles_after_warm_up", "compile_cuda_graphs_after_warm_up",
@@ -493,7 +494,8 @@ def compile_faults(stats) -> list:
     expected = stats.get("compile_graphs_expected")
     if expected is not None and stats["compile_warm_up_graphs"] > expected:
         bad.append("compile_warm_up_graphs")
-    return bad + ([] if stats.get("compile_steps") else ["no compiled step"])
+    return bad + ([] if stats.get("compile_steps") else ["no compiled step"]) + (
+        [] if stats.get("compile_direct_steps") else ["no step called its graphs directly"])
 
 
 def check_speculative(args, tmp) -> dict:
