@@ -67,9 +67,7 @@ def arm(layers: int, keep_all: bool) -> dict:
     warm = time.perf_counter() - t0
     entry = _debug_get_cache_entry_list(runner.code)[0]
     with torch.inference_mode():  # the step's arguments as the runner passes them (inference tensors)
-        f_locals = {"self": model, "input_ids": torch.zeros(1, dtype=torch.long),
-                    "positions": torch.zeros(1, dtype=torch.long), "meta": None, "capture": (),
-                    "real": torch.ones(1, dtype=torch.bool)}
+        f_locals = runner._probe(1, ())
         assert entry.guard_manager.check(f_locals), entry.guard_manager.check_verbose(f_locals)
         us = []
         for _ in range(5):
@@ -82,10 +80,10 @@ def arm(layers: int, keep_all: bool) -> dict:
     for _ in range(10):
         runner(step)
 
-    direct = runner.direct
+    direct = runner.direct.on
 
     def hundred(arm: str) -> float:
-        runner.direct = direct and arm == "direct"
+        runner.direct.on = direct and arm == "direct"
         times = []
         for _ in range(100):
             t = time.perf_counter()

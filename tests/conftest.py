@@ -268,7 +268,7 @@ def outputs_overwritten_by_the_next_call(steps, draft=None) -> list:
 
     steps.forward = overwriting(steps.forward, step_outputs, "steps")
     if draft is not None:
-        draft.fn = overwriting(draft.fn, list, "draft")
+        draft.padded_round = overwriting(draft.padded_round, list, "draft")
     return calls
 
 

@@ -310,6 +310,7 @@ def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs
     assert stats["compile_direct_steps"] > 0  # graphs called without dynamo's guards (one token and more, captures)
     assert stats["draft_compile_buckets"] == [1, 2] and stats["draft_compile_rounds"] > 0
     assert stats["draft_compile_warm_up_graphs"] == 4 and stats["draft_compile_recompiles_after_warm_up"] == 0, stats
+    assert stats["draft_compile_direct_rounds"] > 0  # rounds called without dynamo's guards
     assert summary["draft_rounds"] == stats["draft_compile_rounds"] and summary["draft_recompiles_after_warm_up"] == 0
     assert "model.compile, the drafter" in format_summary({"compile": summary})
     cfg["speculative"]["placement"] = "group"  # a drafter group's proposer (here in process) compiles its rounds too
@@ -329,7 +330,8 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     its own k, as the contexts grow across block boundaries and after a drafter version switch (the Markov factors
     made again in place): four graphs (one row and the rest, greedy and sampled), nothing compiled after the warm-up.
     The CUDA-graph recording pass (forced here; on CUDA each drafting thread's first round) runs on each thread that
-    drafts. Sampled rows at a temperature alone draft compiled: their laws as eager's
+    drafts. Each round calls its graph's code without dynamo's guards (the guarded call where its key changed).
+    Sampled rows at a temperature alone draft compiled: their laws as eager's
     where no draw is read yet, their draws following the law, the law outliving the next replay; a seeded row, or
     more rows than the largest bucket, drafts eager."""
     import threading
@@ -390,6 +392,8 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
         for sid in (0, 1, 2):
             grow(sid, 1 + step % 3)
     assert rounds[-1] == 12
+    # each round called its graph's code without dynamo's guards: every module value they read is fixed at load
+    assert runner.direct.on and not runner.direct.unknown() and runner.direct.calls == 12
     factors = compiled.model.markov_factors()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in eager.model.state_dict().items()}
     for p in (compiled, eager):
@@ -412,6 +416,12 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     thread.start()
     thread.join()
     assert not errors, errors
+    assert runner.direct.calls == runner.rounds == 14  # after the version switch too, and on another thread
+    runner._static = ("new factors",)  # the key (CUDA's static Markov factors) changed: the guarded call, then direct
+    same(requests([0]))
+    assert runner.direct.calls == 14
+    same(requests([0]))
+    assert runner.direct.calls == 15
     before = runner.rounds
     grow(3, 5)
     grow(4, 5)
@@ -443,7 +453,7 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
     assert int(big.sum()) >= 3 and p > 1e-3, (p, int(big.sum()))
     # a law is held until the next step verifies it: it outlives the next replay (the compiled function replaced by
     # one that writes its outputs into the same memory at every call of a shape, as a CUDA graph's replay does)
-    compiled_fn, held = runner.fn, {}
+    compiled_fn, held = runner.padded_round, {}
 
     def graph_like(*args):
         out = compiled_fn(*args)
@@ -454,7 +464,7 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(target, tmp_pa
                 b.copy_(o)
         return bufs
 
-    runner.fn = graph_like
+    runner.padded_round = graph_like
     first = compiled.draft(requests([0], temperature=0.8))[1][2]
     kept = first.clone()
     second = compiled.draft(requests([0], temperature=1.5))[1][2]

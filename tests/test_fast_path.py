@@ -605,13 +605,13 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
     for name in paths:  # (the wide model's steps after the narrow one's graphs exist)
         same(name)
     assert runner.stats()["compile_graphs"] == graphs  # each ran the graphs of its warm-up
-    assert all(r.direct and r.direct_steps == 1 for *_, r in runs.values())  # directly, the key unchanged
+    assert all(r.direct.on and r.direct.calls == 1 for *_, r in runs.values())  # directly, the key unchanged
     for m in (eager, model):  # a value the trace reads: the study's bias add
         m.set_study_router_bias([0, 1], 3.0)
     same("narrow")
-    assert runner.stats()["compile_graphs"] > graphs and runner.direct_steps == 1  # guarded: a new graph
+    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == 1  # guarded: a new graph
     same("narrow")
-    assert runner.direct_steps == 2  # the new graph, directly
+    assert runner.direct.calls == 2  # the new graph, directly
     graphs = runner.stats()["compile_graphs"]
     perm = list(reversed(range(spec.num_experts)))  # a migration: slot i holds expert perm[i], rows moved in place
     with torch.no_grad():
@@ -621,9 +621,9 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
             moe.set_expert_ids(perm)
     assert not model.moe_layers[0].identity_slots
     same("narrow")  # eager's unpermuted model: the same function
-    assert runner.stats()["compile_graphs"] > graphs and runner.direct_steps == 2
+    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == 2
     same("narrow")
-    assert runner.direct_steps == 3
+    assert runner.direct.calls == 3
 
 
 def test_every_module_value_a_runners_guards_read_is_keyed_or_fixed(tmp_path):
@@ -641,9 +641,8 @@ def test_every_module_value_a_runners_guards_read_is_keyed_or_fixed(tmp_path):
         allocate_kv_cache(model, 8, 4, torch.device("cpu"))
         runner = compiled.CompiledSteps(model, [1, 2, 4], "cpu", captures=((), (1,)))  # each kind of graph
         runner.warm_up()
-        assert runner.guarded_values and not compiled.unknown_values(runner.guarded_values), \
-            (arch, compiled.unknown_values(runner.guarded_values))
-        assert runner.direct and len(runner._direct) == 4, arch  # (one token, more) x (no capture, layer 1)
+        assert runner.direct.guarded_values and not runner.direct.unknown(), (arch, runner.direct.unknown())
+        assert runner.direct.on and len(runner.direct.functions) == 4, arch  # (one token, more) x (no capture, layer 1)
     # a value read by index is not what its length keys; a guard on the module's own types is not a value
     entry = lambda name, kind: SimpleNamespace(name=name, guard_type=kind)  # noqa: E731
     layer = "self._modules['model']._modules['layers']._modules['3']._modules['mlp']"

@@ -210,9 +210,9 @@ def guarded_value(entry) -> "tuple | None":
     return (names[-1] + ("[]" if trailing else ""), entry.guard_type) if names else None
 
 
-def unknown_values(guarded: set) -> set:
-    """The guarded (attribute, kind) pairs neither keyed nor fixed."""
-    return {(a, k) for a, k in guarded if (a, k) not in TRACED_VALUES and a not in FIXED_VALUES}
+def unknown_values(guarded: set, traced: frozenset = TRACED_VALUES, fixed: frozenset = FIXED_VALUES) -> set:
+    """The guarded (attribute, kind) pairs neither keyed (`traced`) nor fixed (`fixed`: attribute names)."""
+    return {(a, k) for a, k in guarded if (a, k) not in traced and a not in fixed}
 
 
 def traced_key(model) -> tuple:
@@ -271,6 +271,92 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     return options
 
 
+def _entries(code) -> list:
+    """The cache entries dynamo holds for this code's frame (a runner's own, `compile_own`): one a graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list(code)
+
+
+class DirectCalls:
+    """A runner's compiled function called through its graphs' own code, without dynamo's guards (vLLM's dispatch).
+    In situ dynamo's dispatch costs a call far more than its guard manager takes alone (0.1 ms a step at 4 layers on
+    this CPU, ~1.5 ms at DeepSeek-V3's 61; 0.2-0.3 ms a drafter's round: BENCHMARKS.md, sessions 32-33). It is sound
+    while the values the graphs' guards read are those they were last checked under: the call's own arguments, which
+    the runner builds alike for every call of a kind (`probes`: their locals, one a size), dynamo's global state (one
+    C check), and the module values the guards read, each either keyed (`traced`, read by the runner's `key` before
+    each call) or fixed for the runner's life (`fixed`); a value in neither (`guarded_values`, recorded by
+    `guard_filter` as the runner compiles) keeps every call guarded: slower, never wrong. A changed key or global
+    state takes the guarded call, which recompiles where the graphs read the value, and the functions are found
+    again.
+
+        direct = DirectCalls(traced, fixed)
+        fn, code = compile_own(method, options, direct.guard_filter)
+        ... the warm-up, through fn ...
+        direct.start(code, globals, key, probes, allowed)    on where allowed and nothing unknown is read
+        direct(fn, receiver, kind, *args) -> fn(*args)       directly where it may, else through fn
+    """
+
+    def __init__(self, traced: frozenset, fixed: frozenset):
+        self.traced, self.fixed = traced, fixed
+        self.guarded_values: set = set()  # (attribute, guard kind) of the kept guards on the runner's modules
+        self.on = False
+        self.calls = 0  # calls that ran their graph's code without dynamo's guards
+        self.functions: dict = {}  # kind -> the graph's code as a function of (receiver, *args)
+        self._code = self._globals = self._key_fn = self._probes = self._global_state = None
+        self._key = self._graphs = None  # the key and graph count the functions were found under
+
+    def guard_filter(self, entries) -> list:
+        """The runner's `guard_filter_fn`: `module_guard_filter`, the module values its kept guards read recorded."""
+        keep = module_guard_filter(entries)
+        self.guarded_values |= {guarded_value(e) for e, k in zip(entries, keep) if k} - {None}
+        return keep
+
+    def unknown(self) -> set:
+        return unknown_values(self.guarded_values, self.traced, self.fixed)
+
+    def start(self, code, globals_: dict, key, probes, allowed: bool = True) -> None:
+        """After the warm-up. code: the compiled frame's (`compile_own`); globals_: the method's; key() -> the keyed
+        values now; probes() -> {kind: [the locals of a call of that kind, one a size]}; allowed: every call of a
+        kind one whole graph, as the warm-up showed."""
+        self._code, self._globals, self._key_fn, self._probes = code, globals_, key, probes
+        unknown = self.unknown()
+        if unknown:
+            log.warning("model.compile: %s's graphs read %s, neither keyed nor fixed (compiled.TRACED_VALUES / "
+                        "FIXED_VALUES): every call checks dynamo's guards", code.co_name, sorted(unknown))
+        self.on = allowed and not unknown
+        if self.on:
+            self._find(key())
+
+    def __call__(self, fn, receiver, kind, *args):
+        if not self.on:
+            return fn(*args)
+        key = self._key_fn()
+        run = self.functions.get(kind) if key == self._key else None
+        if run is not None and self._global_state.check():
+            self.calls += 1
+            # (what torch.compile's entry does each call: inductor's CUDA graph trees start a new generation on it,
+            # the previous call's outputs then overwritten, not kept by recording a graph more)
+            torch._dynamo.mutation_guard.GenerationTracker.generation += 1
+            return run(receiver, *args)
+        out = fn(*args)
+        if key != self._key or len(_entries(self._code)) != self._graphs or not self._global_state.check():
+            self._find(key)
+        return out
+
+    def _find(self, key) -> None:
+        """For each kind, the code of the graph whose guards pass for a call of every size of the kind (no function
+        where sizes pick different graphs, or a call is cut into several)."""
+        entries = [e for e in _entries(self._code) if not any(n.startswith("__resume_at") for n in e.code.co_names)]
+        functions = {}
+        for kind, probes in self._probes().items():
+            found = {next((e.code for e in entries if e.guard_manager.check(p)), None) for p in probes}
+            if len(found) == 1 and None not in found:
+                functions[kind] = types.FunctionType(found.pop(), self._globals, self._code.co_name)
+        self.functions, self._key, self._graphs = functions, key, len(_entries(self._code))
+        self._global_state = torch._C._dynamo.guards.GlobalStateGuard()
+
+
 class CompiledSteps:
     def __init__(self, model, buckets: list, device, captures: tuple = ((),)):
         """buckets: the token counts steps pad to (`compile_buckets`); captures: the layer tuples steps will capture
@@ -287,20 +373,9 @@ class CompiledSteps:
         # past dynamo's limit of graphs a frame (8) the larger buckets would run eager, silently
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets) * len(self.captures) + 1)
-        self.guarded_values: set = set()  # (attribute, guard kind) of the kept guards on its modules (`guarded_value`)
-
-        def guard_filter(entries):
-            keep = module_guard_filter(entries)
-            self.guarded_values |= {guarded_value(e) for e, k in zip(entries, keep) if k} - {None}
-            return keep
-
-        self.fn, self.code = compile_own(model.forward, options, guard_filter)
-        self._globals = model.forward.__func__.__globals__
-        # the direct dispatch (`forward`): on or off after the warm-up; (one token, capture) -> the graph's code as a
-        # function, the key and graph count it was found under
-        self.direct, self._direct, self._direct_key, self._direct_graphs = False, {}, None, None
-        self._global_state = None  # dynamo's global state guard, taken when the direct functions were found
-        self.direct_steps = 0  # steps that called their graphs without dynamo's guards
+        # the direct dispatch (`forward`): on or off after the warm-up
+        self.direct = DirectCalls(TRACED_VALUES, FIXED_VALUES)
+        self.fn, self.code = compile_own(model.forward, options, self.direct.guard_filter)
         self.warm_up_s = 0.0
         self.graphs_at_warm_up = self.warm_up_graphs = None
         self.warm_up_graphs_by_bucket = None  # graphs each bucket's warm-up compiled: those past the second none
@@ -352,44 +427,19 @@ class CompiledSteps:
         """The padded step's graphs. Dynamo checks ~80 guards a layer before a graph runs (~1.5 ms a step at
         DeepSeek-V3's 61 layers on a CPU host, BENCHMARKS.md): where the model's `traced_key` and the global state
         dynamo guards (grad mode, autocast, default dtype, deterministic algorithms, ...) are those the graphs were last
-        checked under, the graph's own code is called directly (vLLM's dispatch; the module values the guards read are
-        those the key holds, or fixed at load); otherwise the guarded call, which recompiles where needed, and the
-        direct functions are found again."""
-        if not self.direct:
-            return self.fn(ids, positions, None, capture, real)
-        key = traced_key(self.model)
-        run = self._direct.get((ids.shape[0] == 1, capture)) if key == self._direct_key else None
-        if run is not None and self._global_state.check():
-            self.direct_steps += 1
-            # (what torch.compile's entry does each call: inductor's CUDA graph trees start a new generation on it,
-            # the previous step's outputs then overwritten, not kept by recording a graph more)
-            torch._dynamo.mutation_guard.GenerationTracker.generation += 1
-            return run(self.model, ids, positions, None, capture, real)
-        out = self.fn(ids, positions, None, capture, real)
-        if key != self._direct_key or _graphs() != self._direct_graphs or not self._global_state.check():
-            self._find_direct(key)
-        return out
+        checked under, the graph's own code is called directly (`DirectCalls`; the module values the guards read are
+        those the key holds, or fixed at load); otherwise the guarded call, which recompiles where needed."""
+        return self.direct(self.fn, self.model, (ids.shape[0] == 1, capture), ids, positions, None, capture, real)
 
-    def _find_direct(self, key: tuple) -> None:
-        """The direct functions for the model's present key and global state: for each capture, the code of the graph
-        whose guards pass for a step of one token, and of the one whose guards pass for every larger bucket (no
-        function where buckets differ, or a step is cut into several graphs)."""
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        direct = {}
-        entries = [e for e in _debug_get_cache_entry_list(self.code) if not any(
-            n.startswith("__resume_at") for n in e.code.co_names)] if self.one_graph_a_step() else []
+    def _probes(self) -> dict:
+        """The locals of a padded step of each kind (one token or more, capture) and size, as the graphs' guards read
+        them."""
         sizes = {True: [1], False: [b for b in self.buckets if b > 1]}
-        for (one, tokens), capture in itertools.product(sizes.items(), self.captures):
-            found = {next((e.code for e in entries if e.guard_manager.check(self._probe(n, capture))), None)
-                     for n in tokens}
-            if len(found) == 1 and None not in found:
-                direct[one, capture] = types.FunctionType(found.pop(), self._globals, "forward")
-        self._direct, self._direct_key, self._direct_graphs = direct, key, _graphs()
-        self._global_state = torch._C._dynamo.guards.GlobalStateGuard()
+        return {(one, capture): [self._probe(n, capture) for n in tokens]
+                for (one, tokens), capture in itertools.product(sizes.items(), self.captures) if tokens}
 
     def _probe(self, n: int, capture: tuple) -> dict:
-        """The locals of a padded step of n tokens, as the graphs' guards read them."""
+        """The locals of a padded step of n tokens."""
         return {"self": self.model, "input_ids": torch.zeros(n, dtype=torch.long, device=self.device),
                 "positions": torch.zeros(n, dtype=torch.long, device=self.device), "meta": None, "capture": capture,
                 "real": torch.ones(n, dtype=torch.bool, device=self.device)}
@@ -431,15 +481,9 @@ class CompiledSteps:
         self.warm_up_s = time.perf_counter() - t0
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
-        # the direct dispatch (`forward`) where a step is one graph of each kind as expected and every module value
-        # its guards read is keyed or fixed
-        unknown = unknown_values(self.guarded_values)
-        if unknown:
-            log.warning("model.compile: the steps' graphs read %s, neither keyed nor fixed (compiled.TRACED_VALUES / "
-                        "FIXED_VALUES): every step checks dynamo's guards", sorted(unknown))
-        self.direct = not unknown and self.one_graph_a_step() and self.warm_up_graphs == self.graphs_expected()
-        if self.direct:
-            self._find_direct(traced_key(self.model))
+        # the direct dispatch (`forward`) where a step is one graph of each kind as expected
+        self.direct.start(self.code, self.model.forward.__func__.__globals__, lambda: traced_key(self.model),
+                          self._probes, self.one_graph_a_step() and self.warm_up_graphs == self.graphs_expected())
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
         # design)
@@ -479,7 +523,7 @@ class CompiledSteps:
         graphs = _graphs()
         return {"compile_buckets": list(self.buckets), "compile_warm_up_s": self.warm_up_s,
                 "compile_graphs": graphs, "compile_steps": self.steps, "compile_verify_steps": self.verify_steps,
-                "compile_direct_steps": self.direct_steps,
+                "compile_direct_steps": self.direct.calls,
                 # a capture's for one token and for the larger buckets when each step is one whole graph (expected)
                 "compile_warm_up_graphs": self.warm_up_graphs, "compile_graphs_expected": self.graphs_expected(),
                 "compile_warm_up_graphs_by_bucket": self.warm_up_graphs_by_bucket,
