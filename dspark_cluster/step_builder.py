@@ -101,21 +101,29 @@ def expert_capacity(tokens_per_group: list[int], tensor: int, top_k: int, world:
     return cap if 0 < cap and world * world * cap * row_bytes <= EXPERT_PADDED_MAX_BYTES else 0
 
 
+def _fresh_rows(lens: list[int], block_size: int, num_blocks: int = 0) -> StepInput:
+    """A step of sequences with nothing cached, row i of lens[i] tokens (id 0), each sampling its last token greedily;
+    each row's KV in blocks of its own, from block 0 on (modulo num_blocks where given)."""
+    S, nb = len(lens), [-(-n // block_size) for n in lens]
+    tables = torch.zeros(S, max(nb), dtype=torch.long)
+    for i, n in enumerate(nb):
+        tables[i, :n] = torch.arange(sum(nb[:i]), sum(nb[: i + 1]))
+    return StepInput(
+        input_ids=torch.zeros(sum(lens), dtype=torch.long), query_lens=torch.tensor(lens),
+        context_lens=torch.tensor(lens), block_tables=tables % num_blocks if num_blocks > 0 else tables,
+        sample_rows=torch.arange(S), temperature=torch.zeros(S), top_k=torch.zeros(S, dtype=torch.long),
+        top_p=torch.ones(S), seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long),
+        block_size=block_size)
+
+
 def profile_input(num_rows: int, tokens_per_row: int, block_size: int, num_blocks: int) -> StepInput:
     """A step of num_rows greedy verify rows of tokens_per_row tokens each (the last tokens_per_row - 1
     of them drafts), for timing the step at start-up. Its KV goes to the pool's first blocks, which
     hold nothing yet (a sequence overwrites its slots before it reads them)."""
     q = tokens_per_row
-    nb = -(-q // block_size)
-    tables = torch.arange(num_rows * nb).view(num_rows, nb) % max(num_blocks, 1)
-    S = num_rows
-    out = StepInput(
-        input_ids=torch.zeros(S * q, dtype=torch.long), query_lens=torch.full((S,), q), context_lens=torch.full((S,), q),
-        block_tables=tables, sample_rows=torch.arange(S), temperature=torch.zeros(S), top_k=torch.zeros(S, dtype=torch.long),
-        top_p=torch.ones(S), seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long),
-        block_size=block_size)
+    out = _fresh_rows([q] * num_rows, block_size, max(num_blocks, 1))
     if q > 1:
-        out.draft_tokens, out.num_draft = torch.zeros(S, q - 1, dtype=torch.long), torch.full((S,), q - 1)
+        out.draft_tokens, out.num_draft = torch.zeros(num_rows, q - 1, dtype=torch.long), torch.full((num_rows,), q - 1)
     return out
 
 
@@ -134,17 +142,10 @@ def memory_profile_steps(max_tokens: int, max_seqs: int, row_tokens: int, max_po
     chunk = [L] * (max_tokens // L) + ([max_tokens % L] if max_tokens % L else [])
     steps, blocks = [], 0
     for lens, K in ((chunk, 0), ([q] * max(1, min(max_seqs, max_tokens // q)), q - 1)):
-        S, nb = len(lens), [-(-n // block_size) for n in lens]
-        tables = torch.zeros(S, max(nb), dtype=torch.long)
-        for i, n in enumerate(nb):
-            tables[i, :n] = torch.arange(sum(nb[:i]), sum(nb[: i + 1]))
-        blocks = max(blocks, sum(nb))
-        step = StepInput(
-            input_ids=torch.randint(vocab_size, (sum(lens),), generator=g), query_lens=torch.tensor(lens),
-            context_lens=torch.tensor(lens), block_tables=tables, sample_rows=torch.arange(S),
-            temperature=torch.ones(S), top_k=torch.zeros(S, dtype=torch.long), top_p=torch.full((S,), 0.9),
-            seeds=torch.full((S,), -1), positions_out=torch.zeros(S, dtype=torch.long), block_size=block_size,
-            seq_ids=torch.arange(S))
+        step, S = _fresh_rows(lens, block_size), len(lens)
+        blocks = max(blocks, sum(-(-n // block_size) for n in lens))
+        step.input_ids = torch.randint(vocab_size, (sum(lens),), generator=g)
+        step.temperature, step.top_p, step.seq_ids = torch.ones(S), torch.full((S,), 0.9), torch.arange(S)
         if K:
             step.draft_tokens, step.num_draft = torch.randint(vocab_size, (S, K), generator=g), torch.full((S,), K)
             if law_dtype is not None:
