@@ -162,9 +162,10 @@ class Worker:
         """Bytes the largest steps the scheduler can build hold beyond the weights and the KV pool (activations,
         logits, the captured layers a DSpark drafter reads, draft laws, the sampler's sorts), measured before the
         pool is sized so that it leaves them room (vLLM's profile run): `memory_profile_steps` on a pool just large
-        enough for them, dropped after. Every rank runs them (their collectives). Not counted: a drafter's own
-        rounds on the target. 0 off CUDA, where nothing counts a step's memory (`peak_bytes_during`): nothing
-        runs."""
+        enough for them, dropped after, and where the drafter is on this rank its largest round beside them
+        (`TargetDrafter.memory_profile`: max_num_seqs sequences' contexts, as much as a store keeps, and their draft
+        laws). Every rank runs them (their collectives). 0 off CUDA, where nothing counts a step's memory
+        (`peak_bytes_during`): nothing runs."""
         sc, cfg = self.cfg.scheduler, self.cfg
         law = self.model.lm_head.weight.dtype if cfg.verify_laws else None
         steps, blocks = memory_profile_steps(sc.max_num_batched_tokens, sc.max_num_seqs, cfg.verify_row_tokens,
@@ -178,6 +179,8 @@ class Worker:
             for step in steps:
                 execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
                              export_layers=cfg.export_layers)
+            if self.drafter is not None:
+                self.drafter.memory_profile(sc.max_num_seqs)
 
         try:  # (the peak holds the pool: taken off)
             peak = peak_bytes_during(run, self.device)

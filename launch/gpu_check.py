@@ -929,7 +929,9 @@ def check_decode(args, tmp) -> dict:
                                          compile_faults(compiled) + ([] if (compiled or {}).get(
                                              "compile_verify_steps") else ["no verify step compiled"]) + (
                                              [] if (compiled or {}).get("draft_compile_rounds") else
-                                             ["no drafter round compiled"])}
+                                             ["no drafter round compiled"]) + (
+                                             [] if (compiled or {}).get("draft_compile_direct_rounds") else
+                                             ["no drafter round called its graphs directly"])}
         return [mode, verify_ms, decode_ms, verify_ms / decode_ms, len(times)]
 
     def kv_share():

@@ -264,6 +264,46 @@ def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, pr
     assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == plain[:1] and sp.num_drafted > 0
 
 
+def test_the_kv_pool_leaves_the_drafter_on_the_target_room(target, drafter, prompts, plain, monkeypatch):
+    """Where the drafter runs beside the target's shard, the KV pool's share leaves its largest round room too: the
+    profile run (CUDA's allocator statistics stood in: the steps and the round run here, for real) also drafts for
+    max_num_seqs sequences at once, each with as much context as a sequence's store keeps (its window and
+    KEEP_BEHIND rows), num_tokens each at temperature 1 with their laws held; the profile's sequences and laws are
+    gone after, and serving is plain decoding's."""
+    from dspark_cluster import kv_cache, worker
+    from dspark_cluster.speculative import on_target
+    from dspark_cluster.speculative.dspark_proposer import KEEP_BEHIND
+
+    rounds, propose = [], on_target.TargetDrafter.propose
+
+    def recording(self, propose_k, seq_ids, *args):
+        out = propose(self, propose_k, seq_ids, *args)
+        lengths = [self.proposer.ctx[int(s)].length for s in seq_ids]
+        rounds.append((len(seq_ids), set(propose_k.tolist()), set(args[2].tolist()), set(lengths),
+                       (out["draft_tokens"] >= 0).sum(1).tolist(), len(self.laws)))
+        return out
+
+    def measured(run, device):
+        monkeypatch.setattr(on_target.TargetDrafter, "propose", recording)
+        run()
+        monkeypatch.setattr(on_target.TargetDrafter, "propose", propose)
+        return 2**20
+
+    monkeypatch.setattr(worker, "peak_bytes_during", measured)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: 64 * 2**20)
+    cfg = target_config(drafter, k=3)
+    cfg["scheduler"] = {"block_size": 4, "kv_cache_memory": 0.5, "max_num_seqs": 5}
+    llm = LLM(target, config=cfg)
+    try:
+        proposer, ex = dspark_proposer(llm), llm.engine.executor
+        n = proposer.window + KEEP_BEHIND
+        assert rounds == [(5, {3}, {1.0}, {n}, [3] * 5, 5)]  # 5 rows of n context rows, 3 drafts and a law each
+        assert not proposer.ctx and not ex.worker.drafter.laws and ex.worker.drafter.num_proposed == 0
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    finally:
+        llm.shutdown()
+
+
 def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs(target, drafter, prompts, plain):
     """model.compile on with a DSpark drafter beside the target: its steps capture the exported layers (a guard of the
     compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph for one token

@@ -236,6 +236,61 @@ def test_a_batch_of_blocks_drafts_as_each_block_alone(passes, checkpoint, drafte
     assert prop.draft([reqs[2]])[1][0][0].tolist() == tokens[2].tolist()
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_sequences_drafter_context_holds_its_window_not_its_length(passes, checkpoint, drafters):
+    """A drafter keeps a sequence's keys/values for the rows its blocks read (the latest window and a few more), not
+    its whole context: over 600 rows taken a few at a time and drafted from at every length (window 8, and 40 where
+    two sequences draft together), the store stays within a bound of the window whatever the length, and each
+    proposal drafts what a drafter that took the same rows in one chunk drafts. A proposal behind the rows taken
+    reads what is kept; history rewritten below the kept rows (a recompute) starts the store again there."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.dspark_proposer import KEEP_BEHIND, DSparkProposer
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+
+    target = checkpoint("qwen3_moe")
+    spec, path = load_spec(str(target), "float32"), drafters("qwen3_moe", draft_passes=passes)
+    g = torch.Generator().manual_seed(4)
+    rows, tokens = torch.randn(600, 2 * 64, generator=g), torch.randint(2, 160, (601,), generator=g).tolist()
+    for window, sids in ((8, [1]), (40, [1, 2])):
+        make = lambda: DSparkProposer(path, str(target), spec, num_tokens=4, context_window=window,  # noqa: E731
+                                      draft_passes=passes)
+        prop = make()
+        bound = max(64, 2 * (window + KEEP_BEHIND + 2 * prop.c.block_size))
+        n, step = 0, 0
+        while n < 600:
+            m = min(600 - n, 1 + step % 5)
+            for sid in sids:
+                prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([n]), torch.tensor([m]), rows[n:n + m]))
+            n, step = n + m, step + 1
+            if n < 20 and step % 3:
+                continue
+            reqs = [DraftRequest(sid, tokens[:n + 1], 4) for sid in sids]
+            _, (got, conf, _) = prop.draft(reqs)
+            ref = make()
+            ref.ingest(ContextRows(torch.tensor([9]), torch.tensor([0]), torch.tensor([n]), rows[:n]))
+            _, (want, want_conf, _) = ref.draft([DraftRequest(9, tokens[:n + 1], 4)])
+            for b in range(len(sids)):
+                assert got[b].tolist() == want[0].tolist(), (window, n, b)
+                torch.testing.assert_close(conf[b], want_conf[0], atol=1e-5, rtol=1e-5)
+            assert all(t.shape[0] <= bound for sid in sids for t in prop.ctx[sid].k + prop.ctx[sid].v), (n, bound)
+        st = prop.ctx[1]
+        assert st.base > 600 - window - KEEP_BEHIND - bound  # the oldest rows were dropped
+    # a proposal behind the rows taken (within KEEP_BEHIND) reads its whole window
+    _, (got, _, _) = prop.draft([DraftRequest(1, tokens[:590 + 1], 4)])
+    ref = make()
+    ref.ingest(ContextRows(torch.tensor([9]), torch.tensor([0]), torch.tensor([590]), rows[:590]))
+    assert got[0].tolist() == ref.draft([DraftRequest(9, tokens[:591], 4)])[1][0][0].tolist()
+    # history rewritten from row 100 (below the kept rows): the store starts again at the rows sent
+    fresh = torch.randn(60, 2 * 64, generator=g)
+    prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([100]), torch.tensor([60]), fresh))
+    assert prop.ctx[1].length == 160
+    _, (got, _, _) = prop.draft([DraftRequest(1, tokens[:161], 4)])
+    ref = make()
+    ref.ingest(ContextRows(torch.tensor([9]), torch.tensor([0]), torch.tensor([160]), torch.cat([rows[:100], fresh])))
+    assert got[0].tolist() == ref.draft([DraftRequest(9, tokens[:161], 4)])[1][0][0].tolist()
+
+
 @torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)
 def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):
     """`forward_train(..., second_pass)`: a second-pass block holds the token after the anchor at slot 1

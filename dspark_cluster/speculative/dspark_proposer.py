@@ -1,7 +1,10 @@
 """DSparkProposer: serves a DSpark drafter behind the proposer interface (`propose`, `free`,
 `prefill`), plus `ingest`, which takes the target's exported context rows.
 
-Per sequence it keeps each drafter layer's context keys/values, computed once per committed token.
+Per sequence it keeps each drafter layer's context keys/values, computed once per committed token, for the
+latest `window` rows a block reads (and a few behind them): a store of about twice that many rows, whose oldest
+rows are dropped as it fills, so a sequence's drafter context holds O(window) rows on the device, whatever its
+length.
 Ingest only stores the rows; their keys/values are computed when a proposal first needs them, in one
 batched forward over every sequence it drafts for (so steps that draft nothing, at high load under
 the confidence schedule, cost the drafter no compute, and a sequence that ends without drafting
@@ -32,13 +35,17 @@ from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolv
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
 MAX_PENDING = 8
 RECENTLY_FREED = 65536
+# rows a sequence's store keeps behind its window: a proposal may continue a length a little behind the rows
+# already taken (a drafter actor takes a step's rows before the Router asks for the step before's proposals)
+KEEP_BEHIND = 64
 
 
 @dataclass
 class _Context:
-    k: list = field(default_factory=list)  # per layer [capacity, heads, head_dim]
+    k: list = field(default_factory=list)  # per layer [capacity, heads, head_dim]: row i holds position base + i
     v: list = field(default_factory=list)
-    kv_length: int = 0  # positions 0 .. kv_length-1 are in k / v
+    base: int = 0  # the position of the store's row 0: positions below it were dropped (never read again)
+    kv_length: int = 0  # positions base .. kv_length-1 are in k / v
     raw: list = field(default_factory=list)  # (start, rows) received, keys/values not computed yet
     length: int = 0  # positions 0 .. length-1 are in k / v or raw
     pending: dict = field(default_factory=dict)  # start -> rows, past a gap
@@ -170,6 +177,8 @@ class DSparkProposer:
         positions below `start` stay where they are, never read again)."""
         st.raw, st.pending = [], {k: v for k, v in st.pending.items() if k > start}
         st.kv_length = st.length = st.first_row = start
+        if start < st.base:  # (before the rows the store kept: it starts again at the rows sent)
+            st.k, st.v = [], []
         st.lost = False
         if self.calibrate:  # calibration reads the rows from here on, and rounds anchored past them
             st.kept, st.rounds = [], []
@@ -180,6 +189,8 @@ class DSparkProposer:
         if start < st.length:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
             st.kv_length, st.first_row = min(st.kv_length, start), min(st.first_row, start)
+            if start < st.base:  # rewritten below the rows the store kept: it starts again from the rows sent
+                st.k, st.v, st.kv_length = [], [], start
             st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
         if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
             st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
@@ -194,6 +205,8 @@ class DSparkProposer:
         chunks = [(st, s0, h) for st in (self.ctx[sid] for sid in seq_ids) for s0, h in st.raw if h.shape[0]]
         if not chunks:
             return
+        for st in {id(c[0]): c[0] for c in chunks}.values():
+            self._make_room(st)
         hidden = chunks[0][2] if len(chunks) == 1 else torch.cat([h for _, _, h in chunks])
         if hidden.device != self.device or hidden.dtype != self.dtype:
             hidden = hidden.to(self.device, self.dtype)
@@ -207,22 +220,41 @@ class DSparkProposer:
             k, v = layer.context_kv(fused, rope)
             off = 0
             for st, s0, h in chunks:
-                n, end = h.shape[0], s0 + h.shape[0]
-                # capacity for a block's rows past the context: a block forward writes its keys/values there
-                need = end + self.c.block_size
-                if li >= len(st.k):
-                    st.k.append(k.new_empty((max(64, 2 * end, need),) + k.shape[1:]))
-                    st.v.append(v.new_empty((max(64, 2 * end, need),) + v.shape[1:]))
-                if st.k[li].shape[0] < need:
-                    def grow(t):
-                        return torch.cat([t, t.new_empty((max(need, 2 * t.shape[0]) - t.shape[0],) + t.shape[1:])])
-                    st.k[li], st.v[li] = grow(st.k[li]), grow(st.v[li])
-                whole = off == 0 and n == k.shape[0]  # (one chunk: no view to take)
-                st.k[li][s0:end] = k if whole else k[off : off + n]
-                st.v[li][s0:end] = v if whole else v[off : off + n]
+                n = h.shape[0]
+                if li >= len(st.k):  # (capacity for a block's rows past the context: a block writes them there)
+                    st.k.append(k.new_empty((self._capacity(st),) + k.shape[1:]))
+                    st.v.append(v.new_empty((self._capacity(st),) + v.shape[1:]))
+                a = max(s0, st.base)  # (rows below the store's base: never read again)
+                if a < s0 + n:
+                    whole = off == 0 and n == k.shape[0] and a == s0  # (one chunk: no view to take)
+                    st.k[li][a - st.base:s0 + n - st.base] = k if whole else k[off + a - s0:off + n]
+                    st.v[li][a - st.base:s0 + n - st.base] = v if whole else v[off + a - s0:off + n]
                 off += n
         for st in {id(c[0]): c[0] for c in chunks}.values():
             st.kv_length, st.raw = st.length, []
+
+    def _capacity(self, st: _Context) -> int:
+        """Rows a store is made with from its base: twice what it must hold (its length and a block's rows past it),
+        so that it fills, and drops its oldest rows, every ~window rows."""
+        return max(64, 2 * (st.length + self.c.block_size - st.base))
+
+    def _make_room(self, st: _Context) -> None:
+        """Room in st's store for its rows up to its length and a block's rows past it. A full store keeps the rows
+        later blocks can read (the latest `window` before its length and KEEP_BEHIND more, none before its first
+        row) from its row 0 on, in a store of `_capacity`; an empty one starts at the first row sent."""
+        if not st.k:
+            st.base = max(min(s0 for s0, _ in st.raw), st.first_row, st.length - self.window - KEEP_BEHIND)
+            return
+        if st.length + self.c.block_size - st.base <= st.k[0].shape[0]:
+            return
+        lo = max(st.base, st.first_row, st.length - self.window - KEEP_BEHIND)
+        keep = max(0, st.kv_length - lo)  # rows computed before, carried over (the rest comes from `raw`)
+        rows = max(64, 2 * (st.length + self.c.block_size - lo))
+        for kv in (st.k, st.v):
+            for li, t in enumerate(kv):
+                kv[li] = t.new_empty((rows,) + t.shape[1:])
+                kv[li][:keep] = t[lo - st.base:lo - st.base + keep]
+        st.base = lo
 
     def ready(self, r) -> bool:
         """Whether the context for this request's block is in (every token but the anchor)."""
@@ -314,8 +346,9 @@ class DSparkProposer:
         B = len(requests)
         lens = [r.length - 1 for r in requests]  # context length = the anchor's position
         states = [self.ctx[r.seq_id] for r in requests]
-        # the window: context rows lo .. len - 1, none before the sequence's first row
-        los = [max(st.first_row, n - self.window) for st, n in zip(states, lens)]
+        # the window: context rows lo .. len - 1, none before the sequence's first row (nor the store's base: a
+        # proposal far behind the rows taken, or a history rewritten below them, reads the rows kept)
+        los = [max(st.first_row, st.base, n - self.window) for st, n in zip(states, lens)]
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
         if B == 1:
@@ -323,9 +356,9 @@ class DSparkProposer:
         else:
             qpos = torch.tensor(lens, device=dev)[:, None] + torch.arange(S, device=dev)
         layers = range(len(self.model.layers))
-        first, lo0, n0 = states[0], los[0], lens[0]
+        first, lo0, n0 = states[0], los[0] - states[0].base, lens[0] - states[0].base  # (rows of the store)
         # (rows past the anchor, where held, stay unwritten; _materialize keeps the S rows' capacity)
-        if B == 1 and first.kv_length == n0 and first.k[0].shape[0] >= n0 + S:
+        if B == 1 and first.kv_length == lens[0] and first.k[0].shape[0] >= n0 + S:
             views = [(first.k[li][None, lo0:n0 + S], first.v[li][None, lo0:n0 + S]) for li in layers]
             return qpos, None, views.__getitem__
         mask = None
@@ -337,8 +370,8 @@ class DSparkProposer:
             ck = states[0].k[li].new_zeros(B, C + S, *states[0].k[li].shape[1:])
             cv = torch.zeros_like(ck)
             for b, (st, lo, n) in enumerate(zip(states, los, lens)):
-                ck[b, : n - lo] = st.k[li][lo:n]
-                cv[b, : n - lo] = st.v[li][lo:n]
+                ck[b, : n - lo] = st.k[li][lo - st.base:n - st.base]
+                cv[b, : n - lo] = st.v[li][lo - st.base:n - st.base]
             return ck, cv
 
         if self.c.draft_passes == 2:  # both passes read them: made once

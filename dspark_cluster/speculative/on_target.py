@@ -15,18 +15,20 @@ once (`StepOutput.drafter_error`) and the engine goes on without speculation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Optional
 
 import torch
 
-from .dspark_proposer import DSparkProposer
+from .dspark_proposer import KEEP_BEHIND, DSparkProposer
 from .proposers import DraftRequest
 from .records import ContextRows
 
 PROFILE_ROWS = (1, 4, 16)  # rows drafted for in the start-up profile (the exploration drafts for 4)
 PROFILE_ID = -(1 << 40)  # the profile's synthetic sequences count down from here (never an engine's id)
+MEMORY_PROFILE_ID = PROFILE_ID - (1 << 30)  # and the memory profile's (a freed id's late rows are dropped)
 
 log = logging.getLogger(__name__)
 
@@ -179,22 +181,50 @@ class TargetDrafter:
             self.propose(full(self.num_tokens), ids, full(context + 1 + i), full(2), full(0.0, torch.float32),
                          full(0), full(1.0, torch.float32), full(-1), full(i))
 
-        # a compiled drafter's rounds run here as they serve, but without its recording pass (every bucket's CUDA
-        # graphs): this thread (the worker's start-up thread) may never draft; only the profile's sizes record here
+        with self._start_up_rounds():
+            out = profile_calls(prepare, call, lambda ids: p.free(ids.tolist()), rows, repeats)
+        log.info("drafter on the target, ms a drafting call by rows: %s",
+                 ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
+        return out
+
+    def memory_profile(self, rows: int) -> None:
+        """The most device memory drafting holds beside the target, for `Worker.activation_reserve` to measure:
+        `rows` sequences (the most a step drafts for), each with as much context as a sequence's store keeps (its
+        window and KEEP_BEHIND rows: `DSparkProposer._make_room`), taken in one batch as a catch-up after idle steps
+        sends them, then one round drafting num_tokens for every row at temperature 1 (their laws held until
+        verified); all freed after."""
+        p = self.proposer
+        if p is None:
+            return
+        n = p.window + KEEP_BEHIND
+        ids = torch.arange(MEMORY_PROFILE_ID, MEMORY_PROFILE_ID - rows, -1)
+        full = lambda v, dtype=torch.long: torch.full((rows,), v, dtype=dtype)  # noqa: E731
+        with self._start_up_rounds():
+            try:
+                p.ingest(ContextRows(ids, full(0), full(n), torch.randn(rows * n, p.c.target_hidden_size
+                                                                        * len(p.layer_ids), device=p.device)))
+                self.propose(full(self.num_tokens), ids, full(n + 1), full(2), full(1.0, torch.float32), full(0),
+                             full(1.0, torch.float32), full(-1), full(n))
+            finally:
+                self.free(ids.tolist())
+
+    @contextlib.contextmanager
+    def _start_up_rounds(self):
+        """Rounds at start-up: a compiled drafter's run as they serve, but without its recording pass (every
+        bucket's CUDA graphs: this thread, the worker's start-up thread, may never draft; only the profile's sizes
+        record here); what they count is reset after."""
+        p = self.proposer
         runner = p.compiled
         recording = runner is not None and runner.records_cuda_graphs
         if recording:
             runner.records_cuda_graphs = False
         try:
-            out = profile_calls(prepare, call, lambda ids: p.free(ids.tolist()), rows, repeats)
+            yield
         finally:
             if recording:
                 runner.records_cuda_graphs = True
-        p.peak_context_bytes = p.ingested_rows = p.misses = 0
-        self.num_proposed = 0
-        log.info("drafter on the target, ms a drafting call by rows: %s",
-                 ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
-        return out
+            p.peak_context_bytes = p.ingested_rows = p.misses = 0
+            self.num_proposed = 0
 
     def compile_stats(self) -> dict:
         """The drafter's compiled rounds (`CompiledDraft.stats`; {} where they run eager)."""
