@@ -117,7 +117,7 @@ class Worker:
             from parallel.expert_parallel import ExpertParallelDispatch
 
             for layer, moe in enumerate(self.model.moe_layers):
-                moe.dispatch = ExpertParallelDispatch(state, self.placement, layer)
+                moe.dispatch = ExpertParallelDispatch(state, self.placement, layer, moe)
                 self.dispatchers.append(moe.dispatch)
         if cfg.hot_experts:
             self.model.set_study_router_bias(cfg.hot_experts, cfg.hot_bias)

@@ -1,11 +1,31 @@
-"""Tensor-parallel collectives for the core's layers (the `comm` object they call)."""
+"""Tensor-parallel collectives for the core's layers (the `comm` object they call).
+
+Eager, a collective is the c10d call. Inside a compiled forward (model.compile) the all-reduce is an op of its own,
+`dspark::all_reduce`, opaque to the compiler as attention is: a tensor-parallel step then traces to one graph (each
+collective a graph break before: two frames a layer, each checking dynamo's guards before it ran), which the runner
+calls directly (`model/compiled.py` `DirectCalls`); on CUDA its CUDA graphs are cut around it as around attention.
+"""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 
 from .state import ParallelState
+
+# group key -> the comm whose group the compiled ops run on (a graph holds the key, a string, not the group)
+_COMMS: dict = {}
+_keys = itertools.count()
+
+
+def _all_reduce_op(x: torch.Tensor, group_key: str) -> None:
+    _COMMS[group_key].all_reduce_eager(x)
+
+
+torch.library.custom_op("dspark::all_reduce", _all_reduce_op, mutates_args=("x",)).register_fake(
+    lambda x, group_key: None)
 
 
 class TensorParallelComm:
@@ -15,13 +35,18 @@ class TensorParallelComm:
         self.state = state
         self.tp_rank = state.tp_rank
         self.tp_size = state.tp_size
+        self.group_key = f"tp{next(_keys)}"
+        _COMMS[self.group_key] = self
 
-    # a compiled forward (model.compile) calls the collectives eagerly, between its graphs: the
-    # in-place c10d calls and the byte counting are not traceable
-    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
+        if torch.compiler.is_compiling():  # (one op in the graph; it runs the c10d call)
+            torch.ops.dspark.all_reduce(x, self.group_key)
+            return x
+        return self.all_reduce_eager(x)
+
+    def all_reduce_eager(self, x: torch.Tensor) -> torch.Tensor:
         # ring all-reduce: each rank sends 2 (n-1)/n of the tensor
         self.state.stats.add("all_reduce", x.numel() * x.element_size() * 2 * (self.tp_size - 1) / self.tp_size)
         dist.all_reduce(x, group=self.state.tp_group)

@@ -15,11 +15,17 @@ Per MoE layer, on every rank (gating already ran on every rank over the full tok
   4. each rank runs its experts over what it received, grouped per slot;
   5. the inverse all-to-all brings the outputs back, and a weighted sum combines each token's k;
   6. an all-gather over the TP group restores the full token set.
+
+Inside a compiled forward (model.compile) the whole dispatch is one op, `dspark::expert_dispatch`, opaque to the
+compiler as attention is: a step then traces to one graph (its collectives were graph breaks before, cutting a
+step into several frames, each checking dynamo's guards), which the runner calls directly (`model/compiled.py`
+`DirectCalls`); on CUDA its CUDA graphs are cut around it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,24 +53,34 @@ def _all_to_all_equal(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# dispatch key -> the dispatcher a compiled op runs (a graph holds the key, a string, not the object)
+_DISPATCHES: dict = {}
+_keys = itertools.count()
 
-def _batch_dynamic(out: torch.Tensor) -> torch.Tensor:
-    """The routed rows [T, H] as a compiled step's next graph takes them: their count a dynamic dimension, as the
-    step's inputs are past batch 1 (model/compiled.py), else the graphs after every dispatch compile a bucket each."""
-    if out.shape[0] > 1:
-        torch._dynamo.maybe_mark_dynamic(out, 0)
-    return out
+
+def _expert_dispatch_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: Optional[torch.Tensor],
+                        dispatch_key: str) -> torch.Tensor:
+    dispatch = _DISPATCHES[dispatch_key]
+    return dispatch.run(dispatch.moe, x, ids, weights, real)
+
+
+torch.library.custom_op("dspark::expert_dispatch", _expert_dispatch_op, mutates_args=()).register_fake(
+    lambda x, ids, weights, real, dispatch_key: x.new_empty(x.shape))
+
 
 class ExpertParallelDispatch:
-    """Callable installed as `MoE.dispatch` for MoE layer `layer` of the placement. `capacity`:
-    the padded layout's rows per rank pair for the step about to run (0: the exact layout); the
-    worker sets it from the StepInput before each forward."""
+    """Callable installed as `moe.dispatch` for MoE layer `layer` of the placement (the MoE module `moe`, whose
+    experts it runs). `capacity`: the padded layout's rows per rank pair for the step about to run (0: the exact
+    layout); the worker sets it from the StepInput before each forward."""
 
-    def __init__(self, state: ParallelState, placement: "ExpertPlacement", layer: int):
+    def __init__(self, state: ParallelState, placement: "ExpertPlacement", layer: int, moe):
         self.state = state
         self.layer = layer
         self.capacity = 0
         self.placement = placement
+        self.moe = moe
+        self.dispatch_key = f"ep{next(_keys)}"
+        _DISPATCHES[self.dispatch_key] = self
 
     @property
     def placement(self) -> "ExpertPlacement":
@@ -83,10 +99,15 @@ class ExpertParallelDispatch:
         log2phy, count = self._tables
         return log2phy[experts, salt % count[experts]]
 
-    @torch.compiler.disable  # collectives: eager between a compiled forward's graphs (as parallel/comm.py)
     def __call__(self, moe, x, ids, weights, real=None):
-        """real: [T] bool, the real tokens of a compiled step padded to its bucket (None: all); a padding token's
-        assignments travel as padding rows (no expert computes or counts them) and its routed output is zero."""
+        """x [T, H], ids / weights [T, k] -> the routed output [T, H]. real: [T] bool, the real tokens of a compiled
+        step padded to its bucket (None: all); a padding token's assignments travel as padding rows (no expert
+        computes or counts them) and its routed output is zero."""
+        if torch.compiler.is_compiling():  # (one op in the graph; it runs `run`)
+            return torch.ops.dspark.expert_dispatch(x, ids, weights, real, self.dispatch_key)
+        return self.run(moe, x, ids, weights, real)
+
+    def run(self, moe, x, ids, weights, real=None):
         st = self.state
         T, k = ids.shape
         chunk = -(-T // st.tp_size)
@@ -112,11 +133,11 @@ class ExpertParallelDispatch:
         part = torch.zeros(chunk, x.shape[1], dtype=x.dtype, device=x.device)
         part.index_add_(0, token_of[order] - lo, rows)
         if st.tp_size == 1:
-            return _batch_dynamic(part[: hi - lo])
+            return part[: hi - lo]
         parts = [torch.empty_like(part) for _ in range(st.tp_size)]
         st.stats.add("all_gather", part.numel() * part.element_size() * (st.tp_size - 1))
         dist.all_gather(parts, part, group=st.tp_group)
-        return _batch_dynamic(torch.cat(parts)[:T])
+        return torch.cat(parts)[:T]
 
     def _exact(self, moe, x, token_of, local_slot, order, send_counts_t):
         """Uneven splits: the counts cross first and are read on the host. Returns each sent row's

@@ -4,6 +4,8 @@ padded all-to-all (no host round trip) gives the exact layout's outputs."""
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -191,6 +193,80 @@ def _reference_logits(model, prompt):
         return model.compute_logits(model(torch.tensor(prompt), positions, meta.to("cpu"))[-1:])[0]
 
 
+# ---- tensor parallelism: a compiled step is one graph ----------------------------------------------
+
+def _tp_rank(rank, port, q):
+    torch.set_num_threads(1)
+    from dspark_cluster.worker import Worker, WorkerConfig
+    from parallel.state import init_parallel, shutdown_parallel
+
+    state = init_parallel(rank, 2, 2, "127.0.0.1", port, "gloo", torch.device("cpu"))
+    spec = load_spec(str(TINY_MOE), "float32")
+    cfg = load_config({"model": {"path": str(TINY_MOE), "dtype": "float32", "compile": "on"},
+                       "parallel": {"tensor": 2, "executor": "ray"},  # (the worker alone: no Ray here)
+                       "scheduler": {"block_size": 4, "num_kv_blocks": 32, "max_num_seqs": 4}})
+    worker = Worker(WorkerConfig.of(cfg), spec, "cpu", rank, 2, state)
+    worker.allocate_kv(32)
+    runner = worker.compiled
+    out = {"stats": runner.stats(), "direct": runner.direct.on, "unknown": sorted(runner.direct.unknown()),
+           "kinds": sorted(map(str, runner.direct.functions))}
+    prompts = [[5, 9], [11], [7]]  # (4 tokens: the largest bucket, compiled as the decode steps are)
+    tables = torch.arange(3 * 8).view(3, 8)
+    lens = [len(p) for p in prompts]
+    logits = {"compiled": [], "eager": []}
+    for step_no in range(4):  # the prompts, then three decode steps of the 3 sequences
+        ids = [t for p in prompts for t in p] if step_no == 0 else [2 + step_no] * 3
+        q_lens = lens if step_no == 0 else [1, 1, 1]
+        ctx = [n + step_no for n in lens]
+        for mode in ("compiled", "eager"):  # the same step twice: it writes the same KV rows
+            worker.compiled = runner if mode == "compiled" else None
+            calls = state.stats.calls["all_reduce"]
+            step = StepInput(input_ids=torch.tensor(ids), query_lens=torch.tensor(q_lens),
+                             context_lens=torch.tensor(ctx), block_tables=tables, sample_rows=torch.arange(3),
+                             temperature=torch.zeros(3), top_k=torch.zeros(3, dtype=torch.long), top_p=torch.ones(3),
+                             seeds=torch.full((3,), -1), positions_out=torch.zeros(3, dtype=torch.long),
+                             block_size=4, return_logits=True)
+            res = worker.execute(step)
+            logits[mode].append((res.logits.numpy(), state.stats.calls["all_reduce"] - calls))
+    out["logits"], out["direct_steps"], out["steps"] = logits, runner.direct.calls, runner.steps
+    q.put((rank, out))
+    shutdown_parallel()
+
+
+def test_a_tensor_parallel_step_is_one_graph_called_directly():
+    """Two gloo ranks, tensor 2, model.compile on: each all-reduce is an op of the graph (`dspark::all_reduce`), not a
+    graph break, so a step is one graph for one token and one for more (was: two frames a layer, each checking
+    dynamo's guards), its code called without dynamo's guards; the compiled steps' logits equal eager's, prompt and
+    decode steps, and both run the same all-reduces (counted in the ledger). With tensor 2 the experts are split over
+    the two ranks too (one expert-parallel group over the world): the dispatch is an op of the graph as well
+    (`dspark::expert_dispatch`)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    from parallel.state import open_rendezvous
+
+    rendezvous = open_rendezvous()
+    procs = [ctx.Process(target=_tp_rank, args=(r, rendezvous.port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    while len(got) < len(procs):  # (a rank that died fails the test now, not after the timeout)
+        try:
+            got.update([q.get(timeout=2)])
+        except queue.Empty:
+            assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
+    for p in procs:
+        p.join(timeout=60)
+    layers = load_spec(str(TINY_MOE), "float32").num_layers
+    for rank, out in got.items():
+        stats = out["stats"]
+        assert stats["compile_warm_up_graphs"] == stats["compile_graphs_expected"] == 2, stats
+        assert out["direct"] and out["unknown"] == [] and out["direct_steps"] == out["steps"] == 4, \
+            {k: out[k] for k in ("direct", "unknown", "kinds", "direct_steps")}
+        for (c, c_calls), (e, e_calls) in zip(out["logits"]["compiled"], out["logits"]["eager"]):
+            torch.testing.assert_close(torch.from_numpy(c), torch.from_numpy(e), rtol=1e-4, atol=1e-4)
+            assert c_calls == e_calls == 2 * layers + 1  # (attention and MLP a layer; the vocabulary-split embedding)
+
+
 # ---- model.compile -------------------------------------------------------------------------------
 
 def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
@@ -288,8 +364,8 @@ def test_a_compiled_step_of_any_composition_computes_eagers_states_and_kv(arch, 
 def test_compiled_steps_across_ranks_are_token_identical(ray_cluster, parallel):
     """Two ranks through Ray, model.compile on. Data 2 (experts split over two ranks, the padded all-to-all): a step
     padded to its bucket fits the all-to-all's capacity (the engine sizes it from each group's bucket). Tensor 2 (the
-    all-reduces cut each step into graphs, each rank's step context its own). Greedy tokens equal eager's in process,
-    and nothing compiles after the warm-up."""
+    all-reduces ops of the graph, each rank's step context its own). Greedy tokens equal eager's in process, each
+    step is one graph called directly, and nothing compiles after the warm-up."""
     from dspark_cluster import LLM, SamplingParams
 
     # max_num_seqs 5 (buckets 1, 2, 4, 5): a group decoding 3 rows runs padded to 4, past an all-to-all
@@ -310,11 +386,10 @@ def test_compiled_steps_across_ranks_are_token_identical(ray_cluster, parallel):
         compiled = [r["compile"] for r in reports]
         assert len(compiled) == 2 and all(c["compile_buckets"] == [1, 2, 4, 5] for c in compiled)
         assert all(c["compile_steps"] > 5 and c["compile_recompiles_after_warm_up"] == 0 for c in compiled), compiled
-        # the all-to-all cuts each step into graphs; every graph's batch is dynamic past 1 (the dispatch's rows too),
-        # so buckets 4 and 5 compile nothing: batch 1's graphs, the same number again for 2, then none
-        for c in compiled if "data" in parallel else []:
-            by_bucket = c["compile_warm_up_graphs_by_bucket"]
-            assert by_bucket[0] == by_bucket[1] > 2 and by_bucket[2:] == [0, 0], by_bucket
+        # the collectives are ops of the graph (the all-to-alls one op a layer, the all-reduces one each): a step is one
+        # graph, batch 1's and one for the larger buckets (dynamic past 1), called without dynamo's guards
+        for c in compiled:
+            assert c["compile_warm_up_graphs_by_bucket"] == [1, 1, 0, 0] and c["compile_direct_steps"] > 5, c
     finally:
         llm.shutdown()
 

@@ -189,12 +189,13 @@ TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONS
                            ("dispatch", "CONSTANT_MATCH"), ("dispatch", "ID_MATCH"),
                            ("expert_ids", "SEQUENCE_LENGTH"), ("_kv_cache", "SEQUENCE_LENGTH")})
 # and the attributes the architecture fixes at load, whatever the guard (sizes, flags, fused projections' splits, the
-# decoder's layers, the communicator's ranks, a method's defaults); module types are fixed too
+# decoder's layers, the communicator's ranks and key, a vocabulary shard's start, the expert dispatcher's key and
+# method, a method's defaults); module types are fixed too
 FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
                           "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
                           "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
-                          "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "__defaults__", "__defaults__[]",
-                          "sizes[]", "fget"})
+                          "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "group_key", "dispatch_key", "__defaults__",
+                          "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start"})
 
 
 def guarded_value(entry) -> "tuple | None":
@@ -251,8 +252,9 @@ def compile_own(method, options=None, guard_filter=None):
 def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     """Inductor's options for this runner's CUDA graphs on a device of this compute capability (its own: an engine
     before it in the process, of another dtype, does not change them). The graphs are cut where attention runs (its
-    key length varies) and where the experts run unless `experts_in_cuda_graphs`; one graph a bucket is expected,
-    not warned about. An older torch without graph partitions (< 2.9) would capture attention inside a CUDA graph,
+    key length varies), where the experts run unless `experts_in_cuda_graphs`, and where a tensor-parallel
+    all-reduce runs (an op of the graph: outside the CUDA graphs, as when it cut the step into graphs; NCCL inside a
+    capture is not checked here); one graph a bucket is expected, not warned about. An older torch without graph partitions (< 2.9) would capture attention inside a CUDA graph,
     which its metadata from `step_context` cannot be: there the steps compile without CUDA graphs, with a
     warning."""
     config = torch._inductor.config
@@ -265,6 +267,10 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     moe = next(iter(model.moe_layers), None)
     if moe is not None and not experts_in_cuda_graphs(moe.w13, moe.w2, capability):
         ops.append("dspark::grouped_experts")
+    if model.comm.tp_size > 1:
+        ops.append("dspark::all_reduce")
+    if moe is not None and moe.dispatch is not None:
+        ops.append("dspark::expert_dispatch")
     options.update({"graph_partition": True, "custom_should_partition_ops": ops})
     if hasattr(config.triton, "cudagraph_dynamic_shape_warn_limit"):
         options["triton.cudagraph_dynamic_shape_warn_limit"] = len(buckets) + 1
@@ -483,11 +489,10 @@ class CompiledSteps:
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
         # the direct dispatch (`forward`) where a step is one graph of each kind as expected
         self.direct.start(self.code, self.model.forward.__func__.__globals__, lambda: traced_key(self.model),
-                          self._probes, self.one_graph_a_step() and self.warm_up_graphs == self.graphs_expected())
+                          self._probes, self.warm_up_graphs == self.graphs_expected())
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
-        # a graph break cuts a step into several graphs (with tensor or expert parallelism the collectives do, by
-        # design)
-        if self.one_graph_a_step() and self.warm_up_graphs > self.graphs_expected():
+        # a graph break cuts a step into several graphs (the collectives are ops of the graph: none by design)
+        if self.warm_up_graphs > self.graphs_expected():
             log.warning("model.compile: %d graphs for %d buckets x %d captures, where %d were expected (graph "
                         "breaks or a token count specialised: more compile time)",
                         self.warm_up_graphs, len(self.buckets), len(self.captures), self.graphs_expected())
@@ -510,14 +515,11 @@ class CompiledSteps:
         """The CUDA graphs this runner's functions recorded on the threads that step (a piece of a step each)."""
         return _cuda_graphs(self.cuda_graph_managers, self.cuda_graph_functions)
 
-    def graphs_expected(self):
-        """The graphs the warm-up compiles when each step is one whole graph: a capture's for one token and for the
-        larger buckets (None where a step has collectives, which cut it by design)."""
-        return len(self.captures) * (1 + (self.buckets[-1] > 1)) if self.one_graph_a_step() else None
-
-    def one_graph_a_step(self) -> bool:
-        """Whether a step compiles to one graph: no collective in it (one rank, no expert dispatch)."""
-        return self.model.comm.tp_size == 1 and not any(m.dispatch is not None for m in self.model.moe_layers)
+    def graphs_expected(self) -> int:
+        """The graphs the warm-up compiles, each step one whole graph (its collectives ops of the graph, not graph
+        breaks: `dspark::all_reduce`, `dspark::expert_dispatch`): a capture's for one token and for the larger
+        buckets."""
+        return len(self.captures) * (1 + (self.buckets[-1] > 1))
 
     def stats(self) -> dict:
         graphs = _graphs()
