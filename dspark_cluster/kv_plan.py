@@ -8,6 +8,11 @@ shard, `kv_cache.plan_num_blocks` for the count):
   heads when there are at least `tensor` of them, and replicates one head per rank otherwise.
 - MLA (DeepSeek-V3): one compressed latent (kv_lora_rank) plus the shared rope key
   (qk_rope_head_dim) per token per layer, with no separate V; it is replicated on every TP rank.
+
+A DSpark drafter on the target (speculative.placement target) lives on each group's driver rank (TP rank 0):
+its weights, the target's tables a second time where tensor parallelism splits the target's, its Markov factors,
+every running sequence's context (a store of at most `drafter_context_rows` rows) and the sampled rows' draft laws
+come off that rank's memory before its KV share (`drafter_bytes`).
 """
 
 from __future__ import annotations
@@ -82,6 +87,41 @@ def rank_weights(cfg: Config, spec: ModelSpec, rank: int, device_type: str = "cu
     }
 
 
+def drafter_context_rows(window: int, block_size: int) -> int:
+    """The most rows a sequence's DSpark context store holds (`DSparkProposer._make_room`): twice its window, the
+    rows kept behind it and a block's rows past it."""
+    from .speculative.dspark_proposer import KEEP_BEHIND
+
+    return max(64, 2 * (window + KEEP_BEHIND + block_size))
+
+
+def drafter_bytes(cfg: Config, spec: ModelSpec) -> dict:
+    """What the DSpark drafter on a driver rank holds, in the target's dtype (what it serves in): {"weights" (built
+    on the meta device), "tables" (the target's embedding and LM head again where tensor parallelism splits the
+    target's: else it reads them in place), "markov" (its materialised factors W1 [V, r], W2 [r, V], the second in fp32),
+    "context" (max_num_seqs sequences' stores of `drafter_context_rows`, each drafter layer's keys and values),
+    "laws" (a draft law [num_tokens, V] a sampled row, held until verified), "total"}; {} where no DSpark drafter
+    runs on the target."""
+    sp = cfg.speculative
+    if not (sp.on_target and sp.method == "dspark"):
+        return {}
+    from pathlib import Path
+
+    from .speculative.dspark_model import DSparkConfig, DSparkDrafter, context_window_of
+
+    c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
+    elem = _dtype_bytes(spec.dtype)
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in DSparkDrafter(c).parameters()) * elem
+    rows = drafter_context_rows(context_window_of(sp.context_window, c), c.block_size)
+    out = {"weights": weights,
+           "tables": 0 if cfg.parallel.tensor == 1 else 2 * c.vocab_size * c.target_hidden_size * elem,
+           "markov": c.vocab_size * c.markov_rank * (elem + 4),  # (W1 in the serving dtype, W2 in fp32)
+           "context": cfg.scheduler.max_num_seqs * rows * c.num_layers * 2 * c.hidden_size * elem,
+           "laws": cfg.scheduler.max_num_seqs * sp.num_tokens * c.vocab_size * elem}
+    return {**out, "total": sum(out.values())}
+
+
 def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
             device_memory: Optional[int] = None) -> list[dict]:
     """One dict per worker rank (world = tensor x data; rank = dp_rank * tensor + tp_rank).
@@ -112,10 +152,12 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                  else free_device_memory(device))
     ctx = int(context_len or sc.max_model_len or spec.max_position_embeddings)
     blocks_per_seq = math.ceil(ctx / sc.block_size)
+    drafter = drafter_bytes(cfg, spec)
     rows = []
     for rank in range(tp * dp):
         w = rank_weights(cfg, spec, rank, device_type)
-        held = w["weight_bytes"] + w["reordered_bytes"]
+        drafter_here = drafter.get("total", 0) if rank % tp == 0 else 0  # (the driver rank of its group)
+        held = w["weight_bytes"] + w["reordered_bytes"] + drafter_here
         left = max(0, total - held)
         # CPU: the host's memory is shared by every worker on it (all of them, at worst)
         sharing = 1 if device_type == "cuda" else tp * dp
@@ -131,6 +173,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                 "attention": spec.attention,
                 "weight_bytes": w["weight_bytes"],
                 "reordered_weight_bytes": w["reordered_bytes"],  # the CPU's oneDNN copies (model/gemm.py)
+                "drafter_bytes": drafter_here,  # a DSpark drafter on this driver rank (`drafter_bytes`)
                 "expert_bytes": w["expert_bytes"],
                 "num_params": w["num_params"],
                 "kv_heads_per_rank": kv_heads,
@@ -186,9 +229,10 @@ def format_kv_plan(rows: list[dict]) -> str:
     what = "device" if r["device_type"] == "cuda" else "host memory available (shared by the workers)"
     distinct: dict = {}
     for row in rows:  # one line per distinct rank layout (the first rank that has it)
-        distinct.setdefault((row["weight_bytes"], row["kv_pool_bytes"]), row)
+        distinct.setdefault((row["weight_bytes"], row["kv_pool_bytes"], row["drafter_bytes"]), row)
     for x in distinct.values():
         copies = f" + their oneDNN copies {gib(x['reordered_weight_bytes'])}" if x["reordered_weight_bytes"] else ""
+        copies += f" + the DSpark drafter {gib(x['drafter_bytes'])}" if x["drafter_bytes"] else ""
         lines.append(f"rank {x['rank']}: weights {gib(x['weight_bytes'])} (experts {gib(x['expert_bytes'])}){copies} + KV "
                      f"{gib(x['kv_pool_bytes'])} + headroom {gib(x['headroom_bytes'])} = {what} "
                      f"{gib(x['device_memory'])}")

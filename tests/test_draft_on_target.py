@@ -304,6 +304,58 @@ def test_the_kv_pool_leaves_the_drafter_on_the_target_room(target, drafter, prom
         llm.shutdown()
 
 
+def test_the_kv_plan_takes_the_drafter_off_its_driver_ranks(target, drafter, prompts):
+    """`dspark kv-plan` with a DSpark drafter on the target: each group's driver rank (TP rank 0) holds the drafter's
+    weights (as the engine loads them), the target's tables again where tensor parallelism splits the target's, its
+    Markov factors, every sequence's context store (a sequence's store never holds more rows than the plan's bound,
+    checked on a live engine with a window of 8) and the sampled rows' laws; its KV share is of what is left."""
+    import torch
+
+    from dspark_cluster.kv_plan import drafter_context_rows, format_kv_plan, kv_plan
+    from dspark_cluster.model.spec import load_spec
+
+    spec = load_spec(target, "float32")
+    cfg = target_config(drafter, k=3)
+    cfg["speculative"]["context_window"] = 8
+    cfg["scheduler"] = {"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 5}
+    llm = LLM(target, config=cfg)
+    try:
+        proposer = dspark_proposer(llm)
+        stores = []
+        generate, draft = llm.generate, proposer.draft
+
+        def drafting(reqs):  # each store's rows as the proposals run
+            out = draft(reqs)
+            stores.extend(st.k[0].shape[0] for st in proposer.ctx.values() if st.k)
+            return out
+
+        proposer.draft = drafting
+        generate(prompts, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+        weights = sum(p.numel() * p.element_size() for p in proposer.model.parameters())
+        c = proposer.c
+    finally:
+        llm.shutdown()
+    bound = drafter_context_rows(8, c.block_size)
+    assert stores and max(stores) <= bound, (max(stores), bound)
+    plans = {}
+    for tensor in (1, 2):
+        for speculative in (True, False):
+            conf = load_config({**cfg, "model": {"path": str(target), "dtype": "float32"},
+                                "parallel": {"tensor": tensor, "executor": "ray"},
+                                "scheduler": {"block_size": 4, "kv_cache_memory": 0.5, "max_num_seqs": 5},
+                                **({} if speculative else {"speculative": {}})})
+            plans[tensor, speculative] = kv_plan(conf, spec, device_memory=2**30)
+    (one,), (none,) = plans[1, True], plans[1, False]
+    elem, V, r = 4, c.vocab_size, c.markov_rank
+    held = weights + V * r * (elem + 4) + 5 * bound * c.num_layers * 2 * c.hidden_size * elem + 5 * 3 * V * elem
+    assert one["drafter_bytes"] == held and none["drafter_bytes"] == 0
+    left = 2**30 - one["weight_bytes"] - one["reordered_weight_bytes"]  # (a GPU's: no oneDNN copies)
+    assert one["num_blocks"] == int(0.5 * (left - held)) // one["kv_bytes_per_block"] < none["num_blocks"]
+    two = plans[2, True]  # tensor 2: the driver rank holds the tables again; the other rank no drafter
+    assert two[0]["drafter_bytes"] == held + 2 * V * c.target_hidden_size * elem and two[1]["drafter_bytes"] == 0
+    assert "the DSpark drafter" in format_kv_plan(two)
+
+
 def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs(target, drafter, prompts, plain):
     """model.compile on with a DSpark drafter beside the target: its steps capture the exported layers (a guard of the
     compiled forward), so the warm-up compiles for both captures (none, the exported layers; a graph for one token
