@@ -18,6 +18,7 @@ the engine already read, so no worker re-reads or re-validates the whole config.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -176,11 +177,11 @@ class Worker:
             allocate_kv_cache(self.model, blocks, sc.block_size, self.device)
             for d in self.dispatchers:
                 d.capacity = 0  # exact splits (a step's own capacity comes with it)
-            for step in steps:
-                execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
-                             export_layers=cfg.export_layers)
-            if self.drafter is not None:
-                self.drafter.memory_profile(sc.max_num_seqs)
+            # (the drafter's stores and laws alive while the steps run, as in serving)
+            with self.drafter.memory_profile(sc.max_num_seqs) if self.drafter else contextlib.nullcontext():
+                for step in steps:
+                    execute_step(self.model, step, self.device, sample_tokens=self.tp_rank == 0,
+                                 export_layers=cfg.export_layers)
 
         try:  # (the peak holds the pool: taken off)
             peak = peak_bytes_during(run, self.device)

@@ -9,6 +9,7 @@ calls directly (`model/compiled.py` `DirectCalls`); on CUDA its CUDA graphs are 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from .state import ParallelState
 
 # group key -> the comm whose group the compiled ops run on (a graph holds the key, a string, not the group)
-_COMMS: dict = {}
+_COMMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 

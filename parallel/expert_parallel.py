@@ -25,6 +25,7 @@ step into several frames, each checking dynamo's guards), which the runner calls
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -54,7 +55,7 @@ def _all_to_all_equal(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
 
 
 # dispatch key -> the dispatcher a compiled op runs (a graph holds the key, a string, not the object)
-_DISPATCHES: dict = {}
+_DISPATCHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 

@@ -264,31 +264,65 @@ def test_the_drafter_cost_is_measured_at_start_up(placement, target, drafter, pr
     assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == plain[:1] and sp.num_drafted > 0
 
 
+def test_a_preempted_sequence_drafts_again_after_its_recompute(target, drafter, prompts, plain):
+    """A KV pool too small for every sequence at once preempts some (their blocks freed, recomputed later under the
+    same id): the drafter on the target forgets a preempted sequence's context with the step that frees it, and
+    takes the rows its recompute sends, so it drafts again after it resumes (it used to drop them as a finished
+    sequence's late rows: no drafting for the rest of that request). Outputs stay plain decoding's."""
+    cfg = target_config(drafter, k=4)
+    cfg["scheduler"]["num_kv_blocks"] = 28
+    llm = LLM(target, config=cfg)
+    try:
+        proposer, events = dspark_proposer(llm), []
+        free, draft = proposer.free, proposer.draft
+        proposer.free = lambda ids, *a, **kw: events.append(("free", set(ids))) or free(ids, *a, **kw)
+
+        def drafting(reqs):
+            active, out = draft(reqs)
+            events.append(("draft", {reqs[i].seq_id for i in active}))
+            return active, out
+
+        proposer.draft = drafting
+        outs = llm.generate(prompts, GREEDY)
+        preemptions = llm.engine.load()["preemptions"]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == plain and preemptions > 0
+    freed_then_drafted = {sid for i, (kind, ids) in enumerate(events) if kind == "free" for sid in ids
+                          if any(k == "draft" and sid in later for k, later in events[i + 1:])}
+    assert freed_then_drafted, events
+
+
 def test_the_kv_pool_leaves_the_drafter_on_the_target_room(target, drafter, prompts, plain, monkeypatch):
     """Where the drafter runs beside the target's shard, the KV pool's share leaves its largest round room too: the
     profile run (CUDA's allocator statistics stood in: the steps and the round run here, for real) also drafts for
     max_num_seqs sequences at once, each with as much context as a sequence's store keeps (its window and
-    KEEP_BEHIND rows), num_tokens each at temperature 1 with their laws held; the profile's sequences and laws are
-    gone after, and serving is plain decoding's."""
+    KEEP_BEHIND rows), num_tokens each at temperature 1 with their laws, and holds those stores and laws while the
+    target's largest steps run (in serving both are alive at once: the peak is of the two together); the profile's
+    sequences are gone after, the drafter alive, and serving is plain decoding's."""
     from dspark_cluster import kv_cache, worker
-    from dspark_cluster.speculative import on_target
-    from dspark_cluster.speculative.dspark_proposer import KEEP_BEHIND
+    from dspark_cluster.speculative.dspark_proposer import KEEP_BEHIND, DSparkProposer
 
-    rounds, propose = [], on_target.TargetDrafter.propose
+    rounds, steps, draft, execute_step = [], [], DSparkProposer.draft, worker.execute_step
 
-    def recording(self, propose_k, seq_ids, *args):
-        out = propose(self, propose_k, seq_ids, *args)
-        lengths = [self.proposer.ctx[int(s)].length for s in seq_ids]
-        rounds.append((len(seq_ids), set(propose_k.tolist()), set(args[2].tolist()), set(lengths),
-                       (out["draft_tokens"] >= 0).sum(1).tolist(), len(self.laws)))
-        return out
+    def recording(self, reqs):
+        active, out = draft(self, reqs)
+        rounds.append((len(active), {r.k for r in reqs}, {r.temperature for r in reqs},
+                       {self.ctx[r.seq_id].length for r in reqs}, tuple(out[0].shape), out[2] is not None))
+        return active, out
 
-    def measured(run, device):
-        monkeypatch.setattr(on_target.TargetDrafter, "propose", recording)
+    def measured(run, device):  # the round, then the steps with its stores alive
+        monkeypatch.setattr(DSparkProposer, "draft", recording)
+        monkeypatch.setattr(worker, "execute_step", lambda model, step, *a, **kw: steps.append(
+            len(proposer_of[0].ctx)) or execute_step(model, step, *a, **kw))
         run()
-        monkeypatch.setattr(on_target.TargetDrafter, "propose", propose)
+        monkeypatch.setattr(DSparkProposer, "draft", draft)
+        monkeypatch.setattr(worker, "execute_step", execute_step)
         return 2**20
 
+    proposer_of, init = [], DSparkProposer.__init__
+    monkeypatch.setattr(DSparkProposer, "__init__", lambda self, *a, **kw: proposer_of.append(self) or init(
+        self, *a, **kw))
     monkeypatch.setattr(worker, "peak_bytes_during", measured)
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: 64 * 2**20)
     cfg = target_config(drafter, k=3)
@@ -297,8 +331,9 @@ def test_the_kv_pool_leaves_the_drafter_on_the_target_room(target, drafter, prom
     try:
         proposer, ex = dspark_proposer(llm), llm.engine.executor
         n = proposer.window + KEEP_BEHIND
-        assert rounds == [(5, {3}, {1.0}, {n}, [3] * 5, 5)]  # 5 rows of n context rows, 3 drafts and a law each
-        assert not proposer.ctx and not ex.worker.drafter.laws and ex.worker.drafter.num_proposed == 0
+        # 5 rows of n context rows, 3 drafts and a law each; both profile steps ran with the 5 stores held
+        assert rounds == [(5, {3}, {1.0}, {n}, (5, 3), True)] and steps == [5, 5], (rounds, steps)
+        assert not proposer.ctx and ex.worker.drafter.alive and ex.worker.drafter.num_proposed == 0
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
     finally:
         llm.shutdown()

@@ -242,7 +242,8 @@ def test_a_sequences_drafter_context_holds_its_window_not_its_length(passes, che
     its whole context: over 600 rows taken a few at a time and drafted from at every length (window 8, and 40 where
     two sequences draft together), the store stays within a bound of the window whatever the length, and each
     proposal drafts what a drafter that took the same rows in one chunk drafts. A proposal behind the rows taken
-    reads what is kept; history rewritten below the kept rows (a recompute) starts the store again there."""
+    reads what is kept (a narrower window, counted) and one anchored below them is a miss; history rewritten below
+    the kept rows (a recompute) starts the store again there."""
     from dspark_cluster.model.spec import load_spec
     from dspark_cluster.speculative.dspark_proposer import KEEP_BEHIND, DSparkProposer
     from dspark_cluster.speculative.proposers import DraftRequest
@@ -281,6 +282,11 @@ def test_a_sequences_drafter_context_holds_its_window_not_its_length(passes, che
     ref = make()
     ref.ingest(ContextRows(torch.tensor([9]), torch.tensor([0]), torch.tensor([590]), rows[:590]))
     assert got[0].tolist() == ref.draft([DraftRequest(9, tokens[:591], 4)])[1][0][0].tolist()
+    # a proposal anchored below the kept rows is a miss (no block reads rows the store dropped); one behind them by
+    # more than KEEP_BEHIND reads what is kept (a narrower window, counted)
+    misses, narrowed = prop.misses, prop.narrowed
+    assert prop.draft([DraftRequest(1, tokens[:101], 4)]) == ([], ()) and prop.misses == misses + 1
+    assert prop.draft([DraftRequest(1, tokens[:prop.ctx[1].base + 3], 4)])[0] == [0] and prop.narrowed == narrowed + 1
     # history rewritten from row 100 (below the kept rows): the store starts again at the rows sent
     fresh = torch.randn(60, 2 * 64, generator=g)
     prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([100]), torch.tensor([60]), fresh))
@@ -289,6 +295,9 @@ def test_a_sequences_drafter_context_holds_its_window_not_its_length(passes, che
     ref = make()
     ref.ingest(ContextRows(torch.tensor([9]), torch.tensor([0]), torch.tensor([160]), torch.cat([rows[:100], fresh])))
     assert got[0].tolist() == ref.draft([DraftRequest(9, tokens[:161], 4)])[1][0][0].tolist()
+    # and rewritten below them with no rows: nothing to draft from until rows come
+    prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([30]), torch.tensor([0]), fresh[:0]))
+    assert prop.draft([DraftRequest(1, tokens[:31], 4)]) == ([], ())
 
 
 @torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)

@@ -773,7 +773,18 @@ def test_cuda_graphs_are_cut_around_attention_and_experts_that_read_the_host(mon
     assert torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit == len(buckets) + 1
     monkeypatch.setattr(layers, "_grouped_mm_experts", lambda *a, **kw: None)  # as where torch has none
     assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [attention, experts]
-    for name in (attention, experts):  # the names are the registered ops'
+    # with tensor parallelism the all-reduce, with expert parallelism the whole dispatch, run between the graphs too
+    # (ops of the compiled step; NCCL inside a capture is not what these graphs were checked with)
+    all_reduce, dispatch = "dspark::all_reduce", "dspark::expert_dispatch"
+    monkeypatch.setattr(bf16, "comm", NS(tp_size=2, tp_rank=0))
+    assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [
+        attention, experts, all_reduce]
+    monkeypatch.setattr(bf16.moe_layers[0], "dispatch", object())
+    assert compiled.cuda_graph_options(bf16, (9, 0), buckets)["custom_should_partition_ops"] == [
+        attention, experts, all_reduce, dispatch]
+    import parallel.comm  # noqa: F401 -- (registers the collective ops)
+    import parallel.expert_parallel  # noqa: F401
+    for name in (attention, experts, all_reduce, dispatch):  # the names are the registered ops'
         assert getattr(torch.ops.dspark, name.split("::")[1]).default.name() == name
     assert compiled._cuda_graph_manager(torch.device("cpu")) is None and \
         compiled._cuda_graphs({0: None}, {0: {1}}) == 0  # counted on CUDA only

@@ -123,6 +123,7 @@ class DSparkProposer:
         self._proposals, self.peak_context_bytes = 0, 0
         self.misses = 0  # proposals skipped because the context was not there (yet)
         self.resyncs = 0  # runs of rows taken past a gap (the target's workers kept them while it drafted nothing)
+        self.narrowed = 0  # blocks that read fewer rows than their window: rows the store no longer kept
         # online calibration: keep each sequence's rows and rounds, hand finished ones on as samples
         self.calibrate = calibrate
         self.samples: list[SequenceSample] = []
@@ -178,7 +179,7 @@ class DSparkProposer:
         st.raw, st.pending = [], {k: v for k, v in st.pending.items() if k > start}
         st.kv_length = st.length = st.first_row = start
         if start < st.base:  # (before the rows the store kept: it starts again at the rows sent)
-            st.k, st.v = [], []
+            st.k, st.v, st.base = [], [], start
         st.lost = False
         if self.calibrate:  # calibration reads the rows from here on, and rounds anchored past them
             st.kept, st.rounds = [], []
@@ -190,7 +191,7 @@ class DSparkProposer:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
             st.kv_length, st.first_row = min(st.kv_length, start), min(st.first_row, start)
             if start < st.base:  # rewritten below the rows the store kept: it starts again from the rows sent
-                st.k, st.v, st.kv_length = [], [], start
+                st.k, st.v, st.kv_length, st.base = [], [], start, start
             st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
         if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
             st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
@@ -257,9 +258,11 @@ class DSparkProposer:
         st.base = lo
 
     def ready(self, r) -> bool:
-        """Whether the context for this request's block is in (every token but the anchor)."""
+        """Whether the context for this request's block is in (every token but the anchor), at or past the rows its
+        store keeps, and a store there or rows to make one from."""
         st = self.ctx.get(r.seq_id)
-        return st is not None and not st.lost and st.length >= r.length - 1
+        return (st is not None and not st.lost and st.length >= r.length - 1 >= st.base
+                and bool(st.k or any(h.shape[0] for _, h in st.raw)))
 
     def waiting_for(self, requests) -> list:
         """Requests whose context may still arrive (not lost, not there yet)."""
@@ -269,14 +272,19 @@ class DSparkProposer:
     def prefill(self, requests) -> None:
         pass  # the context comes from the target's prefill
 
-    def free(self, seq_ids, reasons=None) -> None:
-        """reasons: seq_id -> how the request ended (online calibration filters on it)."""
+    def free(self, seq_ids, reasons=None, drop_late_rows: bool = True) -> None:
+        """reasons: seq_id -> how the request ended (online calibration filters on it). drop_late_rows: rows of
+        these sequences that arrive later are dropped (a drafter actor may take a finished sequence's last rows
+        after its free); False where rows arrive in order with the frees (the drafter on the target), so that a
+        preempted sequence's recompute, under the same id, is taken again."""
         for sid in seq_ids:
             st = self.ctx.pop(sid, None)
             if self.calibrate and st is not None and st.rounds and not st.lost:
                 rows = torch.cat([h for _, h in st.kept]) if st.kept else torch.zeros(0, 1, dtype=torch.float16)
                 self.samples.append(SequenceSample(sid, rows, RoundRecords.cat(st.rounds),
                                                    (reasons or {}).get(sid), row_offset=st.first_row))
+            if not drop_late_rows:
+                continue
             if len(self._freed_order) == self._freed_order.maxlen:
                 self._freed.discard(self._freed_order[0])
             self._freed_order.append(sid)
@@ -349,6 +357,7 @@ class DSparkProposer:
         # the window: context rows lo .. len - 1, none before the sequence's first row (nor the store's base: a
         # proposal far behind the rows taken, or a history rewritten below them, reads the rows kept)
         los = [max(st.first_row, st.base, n - self.window) for st, n in zip(states, lens)]
+        self.narrowed += sum(lo > max(st.first_row, n - self.window) for st, lo, n in zip(states, los, lens))
         widths = [n - lo for n, lo in zip(lens, los)]
         C = max(widths)
         if B == 1:

@@ -119,11 +119,13 @@ class TargetDrafter:
             self._fail("take context rows", e)
 
     def free(self, seq_ids) -> None:
+        """Sequences that finished or were preempted (a step's `free_context`, applied before its forward: no row
+        of theirs comes after in that step; a preempted one's recompute sends its rows again)."""
         for sid in seq_ids:
             self.laws.pop(sid, None)
         if self.proposer is not None:
             try:
-                self.proposer.free(seq_ids)
+                self.proposer.free(seq_ids, drop_late_rows=False)
             except Exception as e:  # noqa: BLE001
                 self._fail("free sequences", e)
 
@@ -156,8 +158,8 @@ class TargetDrafter:
                 out_tokens[r, : req.k] = tokens[b, : req.k]
                 out_conf[r, : req.k] = confs[b, : req.k]
                 out_len[r] = req.length
-                if req.temperature > 0:
-                    self.laws[req.seq_id] = (req.length, tokens[b, : req.k], laws[b, : req.k])
+                if req.temperature > 0:  # (its own copy: a view would keep the whole batch's law alive)
+                    self.laws[req.seq_id] = (req.length, tokens[b, : req.k], laws[b, : req.k].clone())
                 else:
                     self.laws.pop(req.seq_id, None)
             self.num_proposed += len(active)
@@ -187,26 +189,35 @@ class TargetDrafter:
                  ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in out.items()))
         return out
 
-    def memory_profile(self, rows: int) -> None:
-        """The most device memory drafting holds beside the target, for `Worker.activation_reserve` to measure:
-        `rows` sequences (the most a step drafts for), each with as much context as a sequence's store keeps (its
-        window and KEEP_BEHIND rows: `DSparkProposer._make_room`), taken in one batch as a catch-up after idle steps
-        sends them, then one round drafting num_tokens for every row at temperature 1 (their laws held until
-        verified); all freed after."""
-        p = self.proposer
-        if p is None:
-            return
-        n = p.window + KEEP_BEHIND
+    @contextlib.contextmanager
+    def memory_profile(self, rows: int):
+        """The most device memory drafting holds beside the target, held while the block runs, for
+        `Worker.activation_reserve` to measure with the target's largest steps inside it (in serving both are alive
+        at once): `rows` sequences (the most a step drafts for), each with as much context as a sequence's store
+        keeps (its window and KEEP_BEHIND rows: `DSparkProposer._make_room`), taken in one batch as a catch-up after
+        idle steps sends them, and one round drafting num_tokens for every row at temperature 1, its laws held;
+        all freed after. A failure (the device's memory, most likely) is logged and leaves the drafter out of the
+        measure: it does not end the drafter, which serves or fails on its own later."""
+        p, held = self.proposer, None
         ids = torch.arange(MEMORY_PROFILE_ID, MEMORY_PROFILE_ID - rows, -1)
-        full = lambda v, dtype=torch.long: torch.full((rows,), v, dtype=dtype)  # noqa: E731
-        with self._start_up_rounds():
-            try:
-                p.ingest(ContextRows(ids, full(0), full(n), torch.randn(rows * n, p.c.target_hidden_size
-                                                                        * len(p.layer_ids), device=p.device)))
-                self.propose(full(self.num_tokens), ids, full(n + 1), full(2), full(1.0, torch.float32), full(0),
-                             full(1.0, torch.float32), full(-1), full(n))
-            finally:
-                self.free(ids.tolist())
+        try:
+            if p is not None:
+                with self._start_up_rounds():
+                    try:
+                        n = p.window + KEEP_BEHIND
+                        width = p.c.target_hidden_size * len(p.layer_ids)
+                        p.ingest(ContextRows(ids, torch.zeros(rows, dtype=torch.long), torch.full((rows,), n),
+                                             torch.randn(rows * n, width, device=p.device, dtype=p.dtype)))
+                        held = p.draft([DraftRequest(int(s), [2], self.num_tokens, 1.0, position=n, start=n)
+                                        for s in ids])
+                    except Exception as e:  # noqa: BLE001 -- the reserve leaves it out; serving decides
+                        log.warning("the drafter's memory profile failed (%s: %s): the KV pool leaves it no room",
+                                    type(e).__name__, e)
+            yield
+        finally:
+            del held
+            if p is not None:
+                p.free(ids.tolist())
 
     @contextlib.contextmanager
     def _start_up_rounds(self):
@@ -223,7 +234,7 @@ class TargetDrafter:
         finally:
             if recording:
                 runner.records_cuda_graphs = True
-            p.peak_context_bytes = p.ingested_rows = p.misses = 0
+            p.peak_context_bytes = p.ingested_rows = p.misses = p.narrowed = 0
             self.num_proposed = 0
 
     def compile_stats(self) -> dict:
@@ -243,4 +254,5 @@ class TargetDrafter:
         return {"drafter_param_bytes": r["param_bytes"], "drafter_reordered_bytes": r.get("reordered_bytes", 0),
                 "drafter_kv_bytes": r["kv_bytes"] + laws,
                 "drafter_rows_proposed": self.num_proposed, "drafter_misses": self.proposer.misses,
-                "drafter_resyncs": self.proposer.resyncs, "drafter_profile": self.profile}
+                "drafter_resyncs": self.proposer.resyncs, "drafter_narrowed_windows": self.proposer.narrowed,
+                "drafter_profile": self.profile}
