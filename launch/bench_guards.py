@@ -32,9 +32,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def deep_checkpoint(layers: int) -> str:
+    """The test suite's tiny DeepSeek-V3 (conftest), `layers` deep, random (seed 0), saved to a new temporary
+    directory: a target's depth at tiny widths (the guards and a step's dispatch depend on the depth)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=512)
+    path = Path(tempfile.mkdtemp()) / "dsv3"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    return str(path)
+
+
 def arm(layers: int, keep_all: bool) -> dict:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from dspark_cluster.kv_cache import allocate_kv_cache
     from dspark_cluster.model import compiled
@@ -42,15 +57,8 @@ def arm(layers: int, keep_all: bool) -> dict:
     from dspark_cluster.model.spec import load_spec
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(  # the test suite's tiny DeepSeek-V3 (conftest), `layers` deep
-        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
-        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=512)
-    path = Path(tempfile.mkdtemp()) / "dsv3"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
-    model = load_model(str(path), load_spec(str(path), "float32"))
+    path = deep_checkpoint(layers)
+    model = load_model(path, load_spec(path, "float32"))
     allocate_kv_cache(model, 64, 4, torch.device("cpu"))
     counts = []
     real_filter = compiled.module_guard_filter

@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,20 +30,6 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
-
-def checkpoint(layers: int) -> str:
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(  # the test suite's tiny DeepSeek-V3 (conftest), `layers` deep (as bench_guards.py)
-        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
-        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=512)
-    path = Path(tempfile.mkdtemp()) / "dsv3"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
-    return str(path)
 
 
 def stub_collectives():
@@ -129,7 +114,9 @@ def main() -> None:
     args = ap.parse_args()
     from parallel.state import open_rendezvous
 
-    path = checkpoint(args.layers)
+    from bench_guards import deep_checkpoint  # (this script's folder: launch/)
+
+    path = deep_checkpoint(args.layers)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     if args.collectives == "stub":
