@@ -95,30 +95,43 @@ def drafter_context_rows(window: int, block_size: int) -> int:
     return max(64, 2 * (window + KEEP_BEHIND + block_size))
 
 
-def drafter_bytes(cfg: Config, spec: ModelSpec) -> dict:
+def drafter_bytes(cfg: Config, spec: ModelSpec, device_type: str = "cuda", context_len: Optional[int] = None) -> dict:
     """What the DSpark drafter on a driver rank holds, in the target's dtype (what it serves in): {"weights" (built
     on the meta device), "tables" (the target's embedding and LM head again where tensor parallelism splits the
     target's: else it reads them in place), "markov" (its materialised factors W1 [V, r], W2 [r, V], the second in fp32),
     "context" (max_num_seqs sequences' stores of `drafter_context_rows`, each drafter layer's keys and values),
-    "laws" (a draft law [num_tokens, V] a sampled row, held until verified), "total"}; {} where no DSpark drafter
-    runs on the target."""
+    "laws" (a draft law [num_tokens, V] a sampled row, held until verified), "rope" (its table of cos / sin for the
+    positions served, fp32, grown by doubling to at most ROPE_TABLE_ROWS: for contexts of context_len), "reordered"
+    (on a `device_type` "cpu", the oneDNN copies of its serving weights, model/gemm.py), "total"}; {} where no DSpark
+    drafter runs on the target."""
     sp = cfg.speculative
     if not (sp.on_target and sp.method == "dspark"):
         return {}
     from pathlib import Path
 
-    from .speculative.dspark_model import DSparkConfig, DSparkDrafter, context_window_of
+    from .speculative.dspark_model import ROPE_TABLE_ROWS, DSparkConfig, DSparkDrafter, context_window_of
 
     c = DSparkConfig.load(Path(sp.draft_model) / "config.json")
     elem = _dtype_bytes(spec.dtype)
     with torch.device("meta"):
-        weights = sum(p.numel() for p in DSparkDrafter(c).parameters()) * elem
+        drafter = DSparkDrafter(c)
+        drafter.pack()
+    weights = sum(p.numel() for p in drafter.parameters()) * elem
+    reordered = 0
+    if device_type == "cpu" and gemm.runs_dtype(spec.dtype):  # (each weight once, as `reorder_tensors` counts)
+        served = {id(w): w for w in drafter.serving_weights(tables=False)}.values()
+        # (and its own LM head's where tensor parallelism splits the target's; a shared one's copy is the target's)
+        reordered = (sum(w.numel() for w in served) + (cfg.parallel.tensor > 1) * c.vocab_size
+                     * c.target_hidden_size) * elem
+    ctx = int(context_len or cfg.scheduler.max_model_len or spec.max_position_embeddings)
+    rope_rows = min(ROPE_TABLE_ROWS, max(256, 2 * (ctx + c.block_size)))
     rows = drafter_context_rows(context_window_of(sp.context_window, c), c.block_size)
     out = {"weights": weights,
            "tables": 0 if cfg.parallel.tensor == 1 else 2 * c.vocab_size * c.target_hidden_size * elem,
            "markov": c.vocab_size * c.markov_rank * (elem + 4),  # (W1 in the serving dtype, W2 in fp32)
            "context": cfg.scheduler.max_num_seqs * rows * c.num_layers * 2 * c.hidden_size * elem,
-           "laws": cfg.scheduler.max_num_seqs * sp.num_tokens * c.vocab_size * elem}
+           "laws": cfg.scheduler.max_num_seqs * sp.num_tokens * c.vocab_size * elem,
+           "rope": 2 * rope_rows * c.head_dim * 4, "reordered": reordered}
     return {**out, "total": sum(out.values())}
 
 
@@ -152,7 +165,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
                  else free_device_memory(device))
     ctx = int(context_len or sc.max_model_len or spec.max_position_embeddings)
     blocks_per_seq = math.ceil(ctx / sc.block_size)
-    drafter = drafter_bytes(cfg, spec)
+    drafter = drafter_bytes(cfg, spec, device_type, context_len)
     rows = []
     for rank in range(tp * dp):
         w = rank_weights(cfg, spec, rank, device_type)

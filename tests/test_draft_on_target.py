@@ -367,7 +367,7 @@ def test_the_kv_plan_takes_the_drafter_off_its_driver_ranks(target, drafter, pro
         proposer.draft = drafting
         generate(prompts, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
         weights = sum(p.numel() * p.element_size() for p in proposer.model.parameters())
-        c = proposer.c
+        c, report = proposer.c, proposer.memory_report()
     finally:
         llm.shutdown()
     bound = drafter_context_rows(8, c.block_size)
@@ -382,13 +382,22 @@ def test_the_kv_plan_takes_the_drafter_off_its_driver_ranks(target, drafter, pro
             plans[tensor, speculative] = kv_plan(conf, spec, device_memory=2**30)
     (one,), (none,) = plans[1, True], plans[1, False]
     elem, V, r = 4, c.vocab_size, c.markov_rank
-    held = weights + V * r * (elem + 4) + 5 * bound * c.num_layers * 2 * c.hidden_size * elem + 5 * 3 * V * elem
+    rope = 2 * min(1 << 16, 2 * (spec.max_position_embeddings + c.block_size)) * c.head_dim * 4
+    assert report["rope_table_bytes"] <= rope  # (the table the live drafter grew, within the plan's)
+    held = weights + V * r * (elem + 4) + 5 * bound * c.num_layers * 2 * c.hidden_size * elem + 5 * 3 * V * elem + rope
     assert one["drafter_bytes"] == held and none["drafter_bytes"] == 0
     left = 2**30 - one["weight_bytes"] - one["reordered_weight_bytes"]  # (a GPU's: no oneDNN copies)
     assert one["num_blocks"] == int(0.5 * (left - held)) // one["kv_bytes_per_block"] < none["num_blocks"]
     two = plans[2, True]  # tensor 2: the driver rank holds the tables again; the other rank no drafter
     assert two[0]["drafter_bytes"] == held + 2 * V * c.target_hidden_size * elem and two[1]["drafter_bytes"] == 0
     assert "the DSpark drafter" in format_kv_plan(two)
+    # planned on this CPU: the oneDNN copies of its serving weights too, as the live drafter made them
+    from dspark_cluster.kv_plan import drafter_bytes
+    from dspark_cluster.model import gemm
+
+    conf = load_config({**cfg, "model": {"path": str(target), "dtype": "float32"}})
+    assert drafter_bytes(conf, spec, "cpu")["reordered"] == report["reordered_bytes"] and (
+        report["reordered_bytes"] > 0) == gemm.runs_dtype(torch.float32)
 
 
 def test_compiled_steps_with_the_drafter_on_the_target_verify_in_the_same_graphs(target, drafter, prompts, plain):
