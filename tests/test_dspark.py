@@ -300,6 +300,53 @@ def test_a_sequences_drafter_context_holds_its_window_not_its_length(passes, che
     assert prop.draft([DraftRequest(1, tokens[:31], 4)]) == ([], ())
 
 
+def test_online_calibration_keeps_a_long_sequences_latest_rows(checkpoint, drafters):
+    """With online calibration a proposer keeps each sequence's rows (16-bit) for its training sample and a version
+    switch's recompute: of a sequence of 3,000 rows, the latest CALIBRATION_KEPT_ROWS (and at most MAX_CONTEXT more),
+    not all; its sample starts there (row_offset), its rows the rows sent, and holds every round whose context lies
+    there; a version switch recomputes the window from them and drafts as a drafter of the new weights that took
+    every row."""
+    from dspark_cluster.model.spec import load_spec
+    from dspark_cluster.speculative.calibration import MAX_CONTEXT
+    from dspark_cluster.speculative.dspark_proposer import CALIBRATION_KEPT_ROWS, DSparkProposer
+    from dspark_cluster.speculative.proposers import DraftRequest
+    from dspark_cluster.speculative.records import ContextRows
+
+    from test_calibration import rounds
+
+    target = checkpoint("qwen3_moe")
+    spec, path = load_spec(str(target), "float32"), drafters("qwen3_moe")
+    make = lambda calibrate: DSparkProposer(path, str(target), spec, num_tokens=4, calibrate=calibrate)  # noqa: E731
+    prop = make(True)
+    g = torch.Generator().manual_seed(6)
+    n = 3000
+    rows, tokens = torch.randn(n, 2 * 64, generator=g), torch.randint(2, 160, (n + 1,), generator=g).tolist()
+    for start in range(0, n, 100):  # a step's rows and a round anchored at each of its 25 positions
+        r = rounds(25, seq=1, start=start)
+        r.anchor_pos = torch.arange(start, start + 100, 4)
+        prop.ingest(ContextRows(torch.tensor([1]), torch.tensor([start]), torch.tensor([100]), rows[start:start + 100],
+                                rounds=r))
+        kept = sum(h.shape[0] for _, h in prop.ctx[1].kept)
+        assert kept <= CALIBRATION_KEPT_ROWS + MAX_CONTEXT + 100, (start, kept)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in prop.model.state_dict().items()}
+    prop.stage(1, new, keep=[])
+    prop.use(1)
+    ref = make(False)
+    ref.model.load_trained(new)
+    # (the switch recomputes from the 16-bit rows kept)
+    ref.ingest(ContextRows(torch.tensor([1]), torch.tensor([0]), torch.tensor([n]), rows.to(torch.float16).float()))
+    req = DraftRequest(1, tokens, 4)
+    (_, (got, conf, _)), (_, (want, want_conf, _)) = prop.draft([req]), ref.draft([req])
+    assert torch.equal(got, want) and torch.allclose(conf, want_conf, atol=1e-5)
+    prop.free([1], {1: "stop"})
+    (sample,) = prop.take_samples()
+    lo = sample.row_offset
+    assert n - CALIBRATION_KEPT_ROWS - MAX_CONTEXT <= lo <= n - CALIBRATION_KEPT_ROWS
+    assert torch.equal(sample.rows, rows[lo:].to(torch.float16))
+    anchors = sample.rounds.anchor_pos
+    assert int(anchors.min()) - MAX_CONTEXT >= lo and anchors.tolist() == list(range(lo + MAX_CONTEXT + (-(lo + MAX_CONTEXT) % 4), n, 4))
+
+
 @torch.inference_mode()  # what serving runs in (the drafter's store is an inference tensor)
 def test_a_second_pass_block_reads_its_first_draft(checkpoint, drafters):
     """`forward_train(..., second_pass)`: a second-pass block holds the token after the anchor at slot 1

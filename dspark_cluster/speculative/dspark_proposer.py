@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..model.gemm import detached, reorder_tensors
 from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
-from .calibration import SequenceSample
+from .calibration import MAX_CONTEXT, SequenceSample
 from .compiled_draft import CompiledDraft
 from .records import ContextRows, RoundRecords
 from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolve_draft_passes, target_tables,
@@ -38,6 +38,11 @@ RECENTLY_FREED = 65536
 # rows a sequence's store keeps behind its window: a proposal may continue a length a little behind the rows
 # already taken (a drafter actor takes a step's rows before the Router asks for the step before's proposals)
 KEEP_BEHIND = 64
+# online calibration keeps each sequence's latest rows (16-bit) for its training samples and a version switch's
+# recompute: at most this many and MAX_CONTEXT more (trimmed every MAX_CONTEXT rows); a longer sequence's older rows
+# go, and with them the rounds whose MAX_CONTEXT rows of context reached them (at DeepSeek-V3's 3 x 7,168-wide export,
+# ~88 MB a sequence where a 32k-token one kept 1.4 GB)
+CALIBRATION_KEPT_ROWS = 4 * MAX_CONTEXT
 
 
 @dataclass
@@ -196,10 +201,21 @@ class DSparkProposer:
         if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
             st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
                             else hidden.clamp(-65504, 65504).to(torch.float16)))
+            if start + hidden.shape[0] - st.first_row > CALIBRATION_KEPT_ROWS + MAX_CONTEXT:
+                self._trim_kept(st, start + hidden.shape[0] - CALIBRATION_KEPT_ROWS)
         # a view of the step's rows (no copy per sequence per step): it keeps that step's tensor alive
         # until every sequence in it has drafted or ended, at most the rows the live sequences own
         st.raw.append((start, hidden))
         st.length = start + hidden.shape[0]
+
+    def _trim_kept(self, st: _Context, lo: int) -> None:
+        """Online calibration's rows of a long sequence from position lo on only (copies: a view of a long prompt's
+        rows would keep them all), and the rounds whose context lies there; no block reads a row before lo (its
+        window is far past it) and the sequence's sample starts there (`first_row`)."""
+        st.kept = [(max(s0, lo), h if s0 >= lo else h[lo - s0:].clone()) for s0, h in st.kept if s0 + h.shape[0] > lo]
+        st.rounds = [r.select(torch.nonzero(r.anchor_pos - MAX_CONTEXT >= lo).flatten()) for r in st.rounds]
+        st.rounds = [r for r in st.rounds if len(r)]
+        st.first_row = max(st.first_row, lo)
 
     def _materialize(self, seq_ids) -> None:
         """Compute the keys/values of these sequences' stored rows, in one batched forward."""
