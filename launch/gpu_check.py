@@ -937,18 +937,26 @@ def check_decode(args, tmp) -> dict:
     def kv_share():
         """kv_cache_memory as a share of the device (0.01): on CUDA each worker first runs its largest steps (a
         prompt chunk of max_num_batched_tokens, a full batch's verify step) and leaves their peak out of the pool;
-        a prompt of max_num_batched_tokens then runs on it. Off CUDA nothing is measured (0)."""
+        a prompt of max_num_batched_tokens then runs on it. Again with a DSpark drafter on the target: its largest
+        round's stores and laws, held while those steps run, add to the reserve. Off CUDA nothing is measured
+        (0)."""
         kv = {**sched, "kv_cache_memory": 0.01, "num_kv_blocks": "auto"}
-        with make_llm(path, args.dtype, dev, scheduler=kv) as llm:
-            reserve = llm.engine.executor.worker.memory_report()["activation_reserve_bytes"]
-            prompt = random_prompts([kv["max_num_batched_tokens"]], seed=400, vocab=shape["vocab_size"])
-            out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-            blocks = llm.engine.num_blocks
-        if torch.device(dev).type == "cuda":
-            torch.cuda.empty_cache()
-        ok = (reserve > 0) == (torch.device(dev).type == "cuda") and len(out[0].token_ids) == 2
-        res["kv_share"] = {"activation_reserve_bytes": reserve, "num_blocks": blocks, "passed": ok}
-        say(f"kv_cache_memory 0.01: the largest steps' reserve {reserve / 2**20:,.1f} MiB, {blocks:,} blocks; a "
+        draft = build_dspark(path, os.path.join(tmp, "dspark-kv-share"), layers=(0, 1))
+        reserves, ok = {}, True
+        for name, sp in (("plain", None), ("dspark", spec_cfg("dspark", draft, 3))):
+            with make_llm(path, args.dtype, dev, scheduler=kv, speculative=sp) as llm:
+                reserves[name] = llm.engine.executor.worker.memory_report()["activation_reserve_bytes"]
+                prompt = random_prompts([kv["max_num_batched_tokens"]], seed=400, vocab=shape["vocab_size"])
+                out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+                blocks = llm.engine.num_blocks if name == "plain" else blocks
+            if torch.device(dev).type == "cuda":
+                torch.cuda.empty_cache()
+            ok = ok and (reserves[name] > 0) == (torch.device(dev).type == "cuda") and len(out[0].token_ids) == 2
+        ok = ok and (reserves["dspark"] > reserves["plain"]) == (torch.device(dev).type == "cuda")
+        res["kv_share"] = {"activation_reserve_bytes": reserves["plain"], "num_blocks": blocks,
+                           "activation_reserve_bytes_dspark_on_target": reserves["dspark"], "passed": ok}
+        say(f"kv_cache_memory 0.01: the largest steps' reserve {reserves['plain'] / 2**20:,.1f} MiB "
+            f"({reserves['dspark'] / 2**20:,.1f} MiB with a DSpark drafter on the target), {blocks:,} blocks; a "
             f"{kv['max_num_batched_tokens']}-token prompt ran on them")
 
     kv_share()
