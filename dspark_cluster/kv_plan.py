@@ -95,7 +95,13 @@ def drafter_context_rows(window: int, block_size: int) -> int:
     return max(64, 2 * (window + KEEP_BEHIND + block_size))
 
 
-def drafter_bytes(cfg: Config, spec: ModelSpec, device_type: str = "cuda", context_len: Optional[int] = None) -> dict:
+def _context_len(cfg: Config, spec: ModelSpec, context_len: Optional[int]) -> int:
+    """The sequence length a plan is for: given, else scheduler.max_model_len, else the model's positions."""
+    return int(context_len or cfg.scheduler.max_model_len or spec.max_position_embeddings)
+
+
+def drafter_bytes(cfg: Config, spec: ModelSpec, device_type: str = "cuda",
+                  context_len: Optional[int] = None) -> dict:
     """What the DSpark drafter on a driver rank holds, in the target's dtype (what it serves in): {"weights" (built
     on the meta device), "tables" (the target's embedding and LM head again where tensor parallelism splits the
     target's: else it reads them in place), "markov" (its materialised factors W1 [V, r], W2 [r, V], the second in fp32),
@@ -123,7 +129,7 @@ def drafter_bytes(cfg: Config, spec: ModelSpec, device_type: str = "cuda", conte
         # (and its own LM head's where tensor parallelism splits the target's; a shared one's copy is the target's)
         reordered = (sum(w.numel() for w in served) + (cfg.parallel.tensor > 1) * c.vocab_size
                      * c.target_hidden_size) * elem
-    ctx = int(context_len or cfg.scheduler.max_model_len or spec.max_position_embeddings)
+    ctx = _context_len(cfg, spec, context_len)
     rope_rows = min(ROPE_TABLE_ROWS, max(256, 2 * (ctx + c.block_size)))
     rows = drafter_context_rows(context_window_of(sp.context_window, c), c.block_size)
     out = {"weights": weights,
@@ -163,7 +169,7 @@ def kv_plan(cfg: Config, spec: ModelSpec, context_len: Optional[int] = None,
         device_type = device.type
         total = (int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda"
                  else free_device_memory(device))
-    ctx = int(context_len or sc.max_model_len or spec.max_position_embeddings)
+    ctx = _context_len(cfg, spec, context_len)
     blocks_per_seq = math.ceil(ctx / sc.block_size)
     drafter = drafter_bytes(cfg, spec, device_type, context_len)
     rows = []

@@ -2,7 +2,7 @@
 block passes (context rows ingested from random target states, so no target runs), one thread.
 
     python launch/bench_drafter.py [--batches 1,8,32] [--passes 1,2] [--k 6] [--device auto] [--dtypes float32]
-        [--compile] [--temperature T] [--json OUT]
+        [--compile] [--temperature T] [--context-growth ROWS] [--json OUT]
     python launch/ab.py --script-here --trees HEAD~1,. --rounds 4 --keys b32_p2.draft_ms \
         -- launch/bench_drafter.py --json {json}
 
@@ -54,6 +54,26 @@ def ops_a_round(prop, reqs, g, new_rows: int = 4) -> int:
     return sum(c.ops.values())
 
 
+def context_growth(prop, rows: int, g, k: int, new_rows: int = 4) -> dict:
+    """One sequence growing `new_rows` committed rows a round to `rows`, a proposal each round: the drafter's context
+    bytes (`memory_report()["context_kv_bytes"]`) at 512, 1,024, 2,048, ... rows, and ms a round (ingest + draft)."""
+    width, V = prop.model.fc.in_features, prop.model.c.vocab_size
+    hidden = torch.randn(rows, width, generator=g).to(prop.device)
+    tokens = torch.randint(2, V, (rows + 1,), generator=g).tolist()
+    n, sid, out, t0, rounds = 128, 10**9, {}, time.perf_counter(), 0
+    prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([0]), torch.tensor([n]), hidden[:n]))
+    while n < rows:
+        prop.ingest(ContextRows(torch.tensor([sid]), torch.tensor([n]), torch.tensor([new_rows]),
+                                hidden[n:n + new_rows]))
+        n += new_rows
+        prop.draft([DraftRequest(sid, tokens[:n + 1], k)])
+        rounds += 1
+        if n >= 512 and n & (n - 1) == 0:  # (powers of two)
+            out[str(n)] = prop.memory_report()["context_kv_bytes"]
+    prop.free([sid])
+    return {"context_kv_bytes": out, "ms_a_round": (time.perf_counter() - t0) / rounds * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ASSETS_DIR / "tiny-moe"))
@@ -66,6 +86,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32", help="model.dtype: the drafter serves in the target's dtype")
     ap.add_argument("--compile", action="store_true", help="also a compiled drafter's rounds (compiled_draft)")
     ap.add_argument("--temperature", type=float, default=0.0, help="the rows' temperature (0: greedy; unseeded)")
+    ap.add_argument("--context-growth", type=int, default=0, metavar="ROWS",
+                    help="also one sequence grown to ROWS rows 4 at a time, drafting each round: its context bytes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -118,6 +140,13 @@ def main() -> None:
                   + (f"; compiled {r['compiled_ms']:.3f} ms ({r['compiled_over_eager']:.2f}x), "
                      f"{r['compile']['draft_compile_recompiles_after_warm_up']} recompiles" if args.compile else ""),
                   flush=True)
+        if args.context_growth:
+            fresh = DSparkProposer(args.drafter, args.target, spec, device=device, num_tokens=args.k,
+                                   draft_passes=passes)  # (no other sequence's context in its bytes)
+            grown = res[f"growth{tag}"] = context_growth(fresh, args.context_growth, g, args.k)
+            print(f"{passes} pass(es), {dtype}: one sequence's context bytes by rows "
+                  f"{ {n: f'{b / 1e6:.2f} MB' for n, b in grown['context_kv_bytes'].items()} }, "
+                  f"{grown['ms_a_round']:.3f} ms a round (4 rows in, a proposal)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -10,7 +10,8 @@ graph's guard manager run on the step's own arguments, 5 x 200 times (microsecon
 (one token at context 40, the runner's call) 6 x 100 times (ms, median of each hundred) through dynamo's guards,
 interleaved with as many under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)` (dynamo checks only the
 guards that tell the frame's graphs apart: what the guard evaluation costs a step, in situ) and as many as the
-runner calls its graphs (their code directly while its traced key holds: `CompiledSteps.forward`).
+runner calls its graphs (their code directly while its traced key holds: `CompiledSteps.forward`); and the time
+to read that key (`traced_key_us`).
 """
 
 from __future__ import annotations
@@ -107,10 +108,17 @@ def arm(layers: int, keep_all: bool) -> dict:
     for i in range(6):
         for arm in (ms if i % 2 == 0 else reversed(list(ms))):
             ms[arm].append(hundred(arm))
+    # the key a direct call reads before each step (`compiled.traced_key`), 5 x 2000 times (us, median of the five)
+    key_us = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(2000):
+            compiled.traced_key(model)
+        key_us.append((time.perf_counter() - t) / 2000 * 1e6)
     return {"guards": counts[-1][0], "kept": counts[-1][1], "by_kind": dict(counts[-1][2].most_common()),
             "check_us": statistics.median(us), "check_us_runs": us, "step_ms_runs": ms["guarded"],
             "step_ms_skip_guards_runs": ms["skip"], "step_ms_direct_runs": ms["direct"], "direct": direct,
-            "warm_up_s": warm}
+            "traced_key_us": statistics.median(key_us), "warm_up_s": warm}
 
 
 def main() -> None:
@@ -137,6 +145,7 @@ def main() -> None:
               f"runner's direct call {runs('step_ms_direct_runs')}, direct: {r['direct']} (warm-up "
               f"{r['warm_up_s']:.1f} s)", flush=True)
     print("guards by kind:", res["all"]["by_kind"])
+    print(f"traced_key (what a direct call reads before each step): {res['filtered']['traced_key_us']:.1f} us")
     print(f"filtered / all: {res['filtered']['check_us'] / res['all']['check_us']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

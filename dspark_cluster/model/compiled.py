@@ -194,8 +194,8 @@ TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONS
 FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
                           "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
                           "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
-                          "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "group_key", "dispatch_key", "__defaults__",
-                          "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start"})
+                          "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "group_key", "dispatch_key",
+                          "__defaults__", "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start"})
 
 
 def guarded_value(entry) -> "tuple | None":
@@ -253,10 +253,10 @@ def cuda_graph_options(model, capability: tuple, buckets: list) -> dict:
     """Inductor's options for this runner's CUDA graphs on a device of this compute capability (its own: an engine
     before it in the process, of another dtype, does not change them). The graphs are cut where attention runs (its
     key length varies), where the experts run unless `experts_in_cuda_graphs`, and where a tensor-parallel
-    all-reduce runs (an op of the graph: outside the CUDA graphs, as when it cut the step into graphs; NCCL inside a
-    capture is not checked here); one graph a bucket is expected, not warned about. An older torch without graph partitions (< 2.9) would capture attention inside a CUDA graph,
-    which its metadata from `step_context` cannot be: there the steps compile without CUDA graphs, with a
-    warning."""
+    all-reduce or an expert dispatch runs (ops of the graph: outside the CUDA graphs, as when they cut the step into
+    graphs; NCCL inside a capture is not what was chosen here); one graph a bucket is expected, not warned about. An
+    older torch without graph partitions (< 2.9) would capture attention inside a CUDA graph, which its metadata from
+    `step_context` cannot be: there the steps compile without CUDA graphs, with a warning."""
     config = torch._inductor.config
     if not hasattr(config, "custom_should_partition_ops") or not hasattr(config, "graph_partition"):
         log.warning("model.compile: this torch (%s) cannot cut CUDA graphs around attention: steps compile without "

@@ -21,7 +21,8 @@ the same law, not the eager draws), the law copied out of the graphs' memory (a 
 the next step verifies it, and a CUDA graph's next replay overwrites its outputs). Seeded rows (per-row
 generators), top-k / top-p rows and batches past the largest bucket draft eager. A round calls its graph's code
 without dynamo's guards (`model.compiled.DirectCalls`: every module value the graphs read is fixed when the drafter
-is loaded, `DRAFT_FIXED_VALUES`), 0.1 ms of a 1.3 ms round at batch 1 on this CPU. The drafts are the
+is loaded, `DRAFT_FIXED_VALUES`): compiled over eager 1.00 -> 0.91 at batch 1 on this CPU (BENCHMARKS.md,
+session 33). The drafts are the
 eager round's up to the compiler's rounding (sums in another order; in 16 bits, intermediates the compiler keeps in
 fp32 across fused operations): near-ties may draft another token; speculation keeps the target's law whatever the
 drafts are.
@@ -47,7 +48,8 @@ import torch
 
 from ..model.attention import on_real_rows
 from ..model.compiled import (FIXED_VALUES, DirectCalls, _cuda_graph_manager, _cuda_graphs, _entries,
-                              allow_cuda_graph_sizes, bucket_of, compile_own, functions_mark, note_functions, step_buckets)
+                              allow_cuda_graph_sizes, bucket_of, compile_own, functions_mark, note_functions,
+                              step_buckets)
 from ..sampling import greedy_rows
 from .dspark_model import block_attention as _block_attention
 

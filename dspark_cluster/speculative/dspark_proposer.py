@@ -196,7 +196,7 @@ class DSparkProposer:
             st.raw = [(s0, h[: start - s0]) for s0, h in st.raw if s0 < start]
             st.kv_length, st.first_row = min(st.kv_length, start), min(st.first_row, start)
             if start < st.base:  # rewritten below the rows the store kept: it starts again from the rows sent
-                st.k, st.v, st.kv_length, st.base = [], [], start, start
+                st.k, st.v, st.base = [], [], start
             st.kept = [(s0, h[: start - s0]) for s0, h in st.kept if s0 < start]
         if self.calibrate:  # 16-bit copies (a view would pin the whole step's export tensor)
             st.kept.append((start, hidden.clone() if hidden.dtype in (torch.float16, torch.bfloat16)
@@ -264,14 +264,12 @@ class DSparkProposer:
             return
         if st.length + self.c.block_size - st.base <= st.k[0].shape[0]:
             return
-        lo = max(st.base, st.first_row, st.length - self.window - KEEP_BEHIND)
-        keep = max(0, st.kv_length - lo)  # rows computed before, carried over (the rest comes from `raw`)
-        rows = max(64, 2 * (st.length + self.c.block_size - lo))
+        old, st.base = st.base, max(st.base, st.first_row, st.length - self.window - KEEP_BEHIND)
+        keep = max(0, st.kv_length - st.base)  # rows computed before, carried over (the rest comes from `raw`)
         for kv in (st.k, st.v):
             for li, t in enumerate(kv):
-                kv[li] = t.new_empty((rows,) + t.shape[1:])
-                kv[li][:keep] = t[lo - st.base:lo - st.base + keep]
-        st.base = lo
+                kv[li] = t.new_empty((self._capacity(st),) + t.shape[1:])
+                kv[li][:keep] = t[st.base - old:st.base - old + keep]
 
     def ready(self, r) -> bool:
         """Whether the context for this request's block is in (every token but the anchor), at or past the rows its
