@@ -108,16 +108,18 @@ def arm(layers: int, keep_all: bool) -> dict:
     for i in range(6):
         for arm in (ms if i % 2 == 0 else reversed(list(ms))):
             ms[arm].append(hundred(arm))
-    # the key a direct call reads before each step (`compiled.traced_key`), 5 x 2000 times (us, median of the five)
-    key_us = []
+    # the key a direct call reads before each step (the runner's `DirectCalls` key: the count of traced values'
+    # assignments; a tree before it, the values themselves), 5 x 2000 times (us, median of the five)
+    key, key_us = runner.direct._key_fn, []
     for _ in range(5):
         t = time.perf_counter()
         for _ in range(2000):
-            compiled.traced_key(model)
+            key()
         key_us.append((time.perf_counter() - t) / 2000 * 1e6)
     return {"guards": counts[-1][0], "kept": counts[-1][1], "by_kind": dict(counts[-1][2].most_common()),
             "check_us": statistics.median(us), "check_us_runs": us, "step_ms_runs": ms["guarded"],
             "step_ms_skip_guards_runs": ms["skip"], "step_ms_direct_runs": ms["direct"], "direct": direct,
+            "step_ms": statistics.median(ms["guarded"]), "step_ms_direct": statistics.median(ms["direct"]),
             "traced_key_us": statistics.median(key_us), "warm_up_s": warm}
 
 
@@ -131,7 +133,8 @@ def main() -> None:
         print(json.dumps(arm(args.layers, args.arm == "all")))
         return
     res = {"layers": args.layers}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # (the caller's package where it names one: ab.py --script-here runs this script against another tree's)
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}
     for name in ("filtered", "all"):
         out = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--arm", name], env=env,
                              capture_output=True, text=True, check=True).stdout

@@ -634,9 +634,10 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
     61 layers) and keeps those on every value its trace reads: a study's router bias switched on and an expert
     migration that turns the identity slot map into a permutation each recompile, and the steps compute what eager
     forwards do. Two models of one class whose tensors alone differ (hidden 64 and 96, the same head sizes and flags)
-    each run their own graphs: each runner compiles a frame of its own. A step whose `traced_key` is unchanged calls
-    its graph's code without dynamo's guards (~1 ms a step at 61 layers); a changed key (the bias, the slot map) takes
-    the guarded call, and the steps after it the new graphs directly."""
+    each run their own graphs: each runner compiles a frame of its own. A step after which no traced value was assigned
+    (`layers.traced_writes`) calls its graph's code without dynamo's guards (~1 ms a step at 61 layers); one after an
+    assignment (the bias, the slot map; also another model's, the count being the process's) takes the guarded call,
+    and the steps after it the new graphs directly."""
     from types import SimpleNamespace
 
     from dspark_cluster.model import compiled
@@ -677,16 +678,20 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
 
     spec, eager, model, runner = runs["narrow"]
     graphs = runner.stats()["compile_graphs"]  # (dynamo's count in this process: both runners')
-    for name in paths:  # (the wide model's steps after the narrow one's graphs exist)
+    for name in paths:  # (the wide model's steps after the narrow one's graphs exist; the narrow one's first step
+        same(name)       # guarded: the wide model's caches were assigned after its warm-up)
+    calls = {name: r.direct.calls for name, (*_, r) in runs.items()}
+    for name in paths:
         same(name)
     assert runner.stats()["compile_graphs"] == graphs  # each ran the graphs of its warm-up
-    assert all(r.direct.on and r.direct.calls == 1 for *_, r in runs.values())  # directly, the key unchanged
+    assert all(r.direct.on and r.direct.calls == calls[name] + 1 for name, (*_, r) in runs.items())  # directly
+    c = runner.direct.calls
     for m in (eager, model):  # a value the trace reads: the study's bias add
         m.set_study_router_bias([0, 1], 3.0)
     same("narrow")
-    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == 1  # guarded: a new graph
+    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == c  # guarded: a new graph
     same("narrow")
-    assert runner.direct.calls == 2  # the new graph, directly
+    assert runner.direct.calls == c + 1  # the new graph, directly
     graphs = runner.stats()["compile_graphs"]
     perm = list(reversed(range(spec.num_experts)))  # a migration: slot i holds expert perm[i], rows moved in place
     with torch.no_grad():
@@ -696,14 +701,40 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
             moe.set_expert_ids(perm)
     assert not model.moe_layers[0].identity_slots
     same("narrow")  # eager's unpermuted model: the same function
-    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == 2
+    assert runner.stats()["compile_graphs"] > graphs and runner.direct.calls == c + 1
     same("narrow")
-    assert runner.direct.calls == 3
+    assert runner.direct.calls == c + 2
+
+
+def test_every_traced_value_is_counted_where_it_is_assigned():
+    """The direct dispatch compares one count (`layers.traced_writes`) where it compared every traced value: each
+    value the steps' graphs read and that may change (compiled.TRACED_VALUES) is an attribute whose assignments the
+    modules holding it count, by every way the engine assigns it (a study's bias, an expert migration's slot map,
+    the KV pool, the expert-parallel dispatcher), each replaced, not changed in place."""
+    from dspark_cluster.model import compiled, layers
+
+    assert {name for name, _ in compiled.TRACED_VALUES} <= layers.TRACED_ATTRIBUTES
+    model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
+    moe = model.moe_layers[0]
+    assert all(isinstance(m, layers.TracedValues) for m in (*model.moe_layers, *model.attention_layers))
+    ids = moe.expert_ids
+
+    def counted(change):
+        before = layers.traced_writes()
+        change()
+        return layers.traced_writes() > before
+
+    assert counted(lambda: model.set_study_router_bias([0], 1.0))
+    assert counted(lambda: moe.set_expert_ids(list(reversed(ids)))) and moe.expert_ids is not ids  # a new list
+    assert counted(lambda: allocate_kv_cache(model, 4, 4, torch.device("cpu")))
+    assert counted(lambda: setattr(moe, "dispatch", None))
+    assert not counted(lambda: setattr(moe, "last_load", None))  # (what a step itself writes is no traced value)
 
 
 def test_every_module_value_a_runners_guards_read_is_keyed_or_fixed(tmp_path):
     """The direct dispatch (`CompiledSteps.forward`) is sound only while every module value the steps' graphs read is
-    either in `traced_key` (checked before each step) or fixed when the model is loaded: each architecture's kept
+    either traced (its assignments counted, `layers.traced_writes`, read before each step) or fixed when the model is
+    loaded: each architecture's kept
     guards read only those, so its runner dispatches directly. A new value read (a flag a layer's forward grows)
     fails here until it is keyed or named fixed (until then the runner checks dynamo's guards: slower, never wrong)."""
     from types import SimpleNamespace

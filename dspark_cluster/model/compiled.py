@@ -31,11 +31,11 @@ states, which the context stash holds across idle steps) is copied out.
 
 Dynamo checks a graph's guards on the host before every call (~80 a layer, ~1.5 ms a step at DeepSeek-V3's 61
 layers on a CPU host). A runner drops those on its modules' tensors (`module_guard_filter`), and while the module
-values its graphs read that can change (`TRACED_VALUES`, read by `traced_key`) are those they were checked under,
-and dynamo's global-state guard passes, calls the graph's code directly (`CompiledSteps.forward`, as vLLM's
-dispatcher does); every other value a guard reads is fixed at load (`FIXED_VALUES`; a value in neither keeps every
-step guarded, tested per architecture), as are the functions and module constants a trace inlines (one patched
-after the warm-up is seen by guarded calls only).
+values its graphs read that can change (`TRACED_VALUES`) are those they were checked under (none was assigned
+since: `layers.traced_writes`, one read a step), and dynamo's global-state guard passes, calls the graph's code
+directly (`CompiledSteps.forward`, as vLLM's dispatcher does); every other value a guard reads is fixed at load
+(`FIXED_VALUES`; a value in neither keeps every step guarded, tested per architecture), as are the functions and
+module constants a trace inlines (one patched after the warm-up is seen by guarded calls only).
 """
 
 from __future__ import annotations
@@ -182,20 +182,22 @@ _STATIC_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "EMPTY_NN_
 
 
 # The module values the steps' graphs read (the kept guards on the runner's modules, `guarded_values`: (attribute,
-# guard kind)) that can change while a runner serves, each with the guard kinds `traced_key` covers: a step whose
-# key is the one its graphs were checked under calls them without dynamo's guards (`CompiledSteps.forward`); a
-# change takes the guarded call, which recompiles where the graphs read it
+# guard kind)) that can change while a runner serves, each with the guard kinds the key covers: the modules holding them
+# count every assignment (`layers.TracedValues`: each attribute is in `layers.TRACED_ATTRIBUTES`); a step after none
+# calls the graphs without dynamo's guards (`CompiledSteps.forward`); after one it takes the guarded call, which
+# recompiles where the graphs read the value
 TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONSTANT_MATCH"),
                            ("dispatch", "CONSTANT_MATCH"), ("dispatch", "ID_MATCH"),
                            ("expert_ids", "SEQUENCE_LENGTH"), ("_kv_cache", "SEQUENCE_LENGTH")})
 # and the attributes the architecture fixes at load, whatever the guard (sizes, flags, fused projections' splits, the
 # decoder's layers, the communicator's ranks and key, a vocabulary shard's start, the expert dispatcher's key and
-# method, a method's defaults); module types are fixed too
+# method, a method's defaults, the traced modules' counting `__setattr__`); module types are fixed too
 FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
                           "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
                           "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
                           "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "group_key", "dispatch_key",
-                          "__defaults__", "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start"})
+                          "__defaults__", "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start",
+                          "__setattr__"})
 
 
 def guarded_value(entry) -> "tuple | None":
@@ -214,12 +216,6 @@ def guarded_value(entry) -> "tuple | None":
 def unknown_values(guarded: set, traced: frozenset = TRACED_VALUES, fixed: frozenset = FIXED_VALUES) -> set:
     """The guarded (attribute, kind) pairs neither keyed (`traced`) nor fixed (`fixed`: attribute names)."""
     return {(a, k) for a, k in guarded if (a, k) not in traced and a not in fixed}
-
-
-def traced_key(model) -> tuple:
-    """The TRACED_VALUES of a model as its steps' graphs read them (~5 reads a layer)."""
-    return (tuple((m.study, m.identity_slots, id(m.dispatch), len(m.expert_ids)) for m in model.moe_layers),
-            tuple(id(a.kv_cache) for a in model.attention_layers))
 
 
 def module_guard_filter(entries) -> list:
@@ -431,10 +427,11 @@ class CompiledSteps:
 
     def forward(self, ids, positions, capture: tuple, real):
         """The padded step's graphs. Dynamo checks ~80 guards a layer before a graph runs (~1.5 ms a step at
-        DeepSeek-V3's 61 layers on a CPU host, BENCHMARKS.md): where the model's `traced_key` and the global state
-        dynamo guards (grad mode, autocast, default dtype, deterministic algorithms, ...) are those the graphs were last
-        checked under, the graph's own code is called directly (`DirectCalls`; the module values the guards read are
-        those the key holds, or fixed at load); otherwise the guarded call, which recompiles where needed."""
+        DeepSeek-V3's 61 layers on a CPU host, BENCHMARKS.md): where no traced value was assigned since the graphs
+        were last checked (`layers.traced_writes`) and the global state dynamo guards (grad mode, autocast, default
+        dtype, deterministic algorithms, ...) is the one they were last checked under, the graph's own code is called
+        directly (`DirectCalls`; the module values the guards read are
+        traced, or fixed at load); otherwise the guarded call, which recompiles where needed."""
         return self.direct(self.fn, self.model, (ids.shape[0] == 1, capture), ids, positions, None, capture, real)
 
     def _probes(self) -> dict:
@@ -488,7 +485,7 @@ class CompiledSteps:
         self.graphs_at_warm_up = _graphs()
         self.warm_up_graphs = sum(self.warm_up_graphs_by_bucket)
         # the direct dispatch (`forward`) where a step is one graph of each kind as expected
-        self.direct.start(self.code, self.model.forward.__func__.__globals__, lambda: traced_key(self.model),
+        self.direct.start(self.code, self.model.forward.__func__.__globals__, layers.traced_writes,
                           self._probes, self.warm_up_graphs == self.graphs_expected())
         log.info("model.compile: %d buckets compiled in %.1f s", len(self.buckets), self.warm_up_s)
         # a graph break cuts a step into several graphs (the collectives are ops of the graph: none by design)

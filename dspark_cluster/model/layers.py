@@ -125,7 +125,30 @@ class RowParallelLinear(Linear):
     share = 1
 
 
-class _PagedCache:
+# The module values a compiled step's graphs read that may change while a runner serves (compiled.TRACED_VALUES: the
+# study flag, the slot map, the dispatcher, the expert ids, the KV cache): every assignment of one, on any module of the
+# process, bumps one count, which a runner's direct call compares before each step (one read, where comparing the
+# values themselves is ~5 reads a layer: 118 us a step at DeepSeek-V3's 61 layers on a CPU host). The values are
+# replaced, never changed in place (the expert ids a new list each time, the caches a new tuple of tensors).
+TRACED_ATTRIBUTES = frozenset({"study", "identity_slots", "dispatch", "expert_ids", "kv_cache", "_kv_cache"})
+_traced_writes = [0]
+
+
+def traced_writes() -> int:
+    """How many times a traced attribute (TRACED_ATTRIBUTES) was assigned in this process."""
+    return _traced_writes[0]
+
+
+class TracedValues:
+    """A module whose TRACED_ATTRIBUTES are counted as they are assigned (`traced_writes`)."""
+
+    def __setattr__(self, name, value):
+        if name in TRACED_ATTRIBUTES:
+            _traced_writes[0] += 1
+        super().__setattr__(name, value)
+
+
+class _PagedCache(TracedValues):
     """`kv_cache` as the engine sets it, plus the flat per-slot views every step writes through,
     made once when it is set (a view per layer per step is an op each)."""
 
@@ -421,7 +444,7 @@ def grouped_mm_available(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return _grouped_mm_experts(xs, counts, w13, w2) is not None
 
 
-class MoE(nn.Module):
+class MoE(TracedValues, nn.Module):
     """Routed experts (+ optional shared experts). Gating runs on every rank; this module holds the
     experts listed in `expert_ids` as stacked tensors. `dispatch` moves tokens to the ranks holding
     their experts; the default runs everything locally."""
@@ -453,6 +476,8 @@ class MoE(nn.Module):
 
     def set_expert_ids(self, expert_ids):
         """Which logical experts the stacked w13/w2 rows hold, in order."""
+        # a new list, replaced and never changed in place (TRACED_ATTRIBUTES); a list, not a tuple: the graphs read its
+        # length only (a tuple's values would be guarded: every migration would recompile)
         self.expert_ids = list(expert_ids)
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
         local[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(len(self.expert_ids))
