@@ -11,7 +11,8 @@ graph's guard manager run on the step's own arguments, 5 x 200 times (microsecon
 interleaved with as many under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)` (dynamo checks only the
 guards that tell the frame's graphs apart: what the guard evaluation costs a step, in situ) and as many as the
 runner calls its graphs (their code directly while its traced key holds: `CompiledSteps.forward`); and the time
-to read that key (`traced_key_us`).
+to read the key a direct call compares before each step (`traced_key_us`: since session 34 the mark of the traced
+values' latest assignment, before it the values themselves).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def main() -> None:
         return
     res = {"layers": args.layers}
     # (the caller's package where it names one: ab.py --script-here runs this script against another tree's)
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     for name in ("filtered", "all"):
         out = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--arm", name], env=env,
                              capture_output=True, text=True, check=True).stdout
@@ -148,7 +149,7 @@ def main() -> None:
               f"runner's direct call {runs('step_ms_direct_runs')}, direct: {r['direct']} (warm-up "
               f"{r['warm_up_s']:.1f} s)", flush=True)
     print("guards by kind:", res["all"]["by_kind"])
-    print(f"traced_key (what a direct call reads before each step): {res['filtered']['traced_key_us']:.1f} us")
+    print(f"the direct call's key (read before each step): {res['filtered']['traced_key_us']:.1f} us")
     print(f"filtered / all: {res['filtered']['check_us'] / res['all']['check_us']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -681,6 +681,7 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
     for name in paths:  # (the wide model's steps after the narrow one's graphs exist; the narrow one's first step
         same(name)       # guarded: the wide model's caches were assigned after its warm-up)
     calls = {name: r.direct.calls for name, (*_, r) in runs.items()}
+    assert calls == {"narrow": 0, "wide": 1}  # another model's assignments count too
     for name in paths:
         same(name)
     assert runner.stats()["compile_graphs"] == graphs  # each ran the graphs of its warm-up
@@ -710,7 +711,7 @@ def test_every_traced_value_is_counted_where_it_is_assigned():
     """The direct dispatch compares one count (`layers.traced_writes`) where it compared every traced value: each
     value the steps' graphs read and that may change (compiled.TRACED_VALUES) is an attribute whose assignments the
     modules holding it count, by every way the engine assigns it (a study's bias, an expert migration's slot map,
-    the KV pool, the expert-parallel dispatcher), each replaced, not changed in place."""
+    the KV pool, the expert-parallel dispatcher), each replaced, not changed in place; a mark is never used twice."""
     from dspark_cluster.model import compiled, layers
 
     assert {name for name, _ in compiled.TRACED_VALUES} <= layers.TRACED_ATTRIBUTES
@@ -719,10 +720,15 @@ def test_every_traced_value_is_counted_where_it_is_assigned():
     assert all(isinstance(m, layers.TracedValues) for m in (*model.moe_layers, *model.attention_layers))
     ids = moe.expert_ids
 
+    seen = {layers.traced_writes()}
+
     def counted(change):
         before = layers.traced_writes()
         change()
-        return layers.traced_writes() > before
+        mark = layers.traced_writes()
+        new = mark not in seen
+        seen.add(mark)
+        return mark != before and new
 
     assert counted(lambda: model.set_study_router_bias([0], 1.0))
     assert counted(lambda: moe.set_expert_ids(list(reversed(ids)))) and moe.expert_ids is not ids  # a new list

@@ -286,11 +286,12 @@ class DirectCalls:
     this CPU, ~1.5 ms at DeepSeek-V3's 61; 0.2-0.3 ms a drafter's round: BENCHMARKS.md, sessions 32-33). It is sound
     while the values the graphs' guards read are those they were last checked under: the call's own arguments, which
     the runner builds alike for every call of a kind (`probes`: their locals, one a size), dynamo's global state (one
-    C check), and the module values the guards read, each either keyed (`traced`, read by the runner's `key` before
-    each call) or fixed for the runner's life (`fixed`); a value in neither (`guarded_values`, recorded by
-    `guard_filter` as the runner compiles) keeps every call guarded: slower, never wrong. A changed key or global
-    state takes the guarded call, which recompiles where the graphs read the value, and the functions are found
-    again.
+    C check), and the module values the guards read, each either keyed (`traced`: the runner's `key()`, read before
+    each call, changes with them; the target's steps read the mark of their latest assignment, `layers.traced_writes`,
+    a drafter's rounds their static factors) or fixed for the runner's life (`fixed`); a value in neither
+    (`guarded_values`, recorded by `guard_filter` as the runner compiles) keeps every call guarded: slower, never
+    wrong. A changed key or global state takes the guarded call, which recompiles where the graphs read the value, and
+    the functions are found again.
 
         direct = DirectCalls(traced, fixed)
         fn, code = compile_own(method, options, direct.guard_filter)
@@ -430,8 +431,8 @@ class CompiledSteps:
         DeepSeek-V3's 61 layers on a CPU host, BENCHMARKS.md): where no traced value was assigned since the graphs
         were last checked (`layers.traced_writes`) and the global state dynamo guards (grad mode, autocast, default
         dtype, deterministic algorithms, ...) is the one they were last checked under, the graph's own code is called
-        directly (`DirectCalls`; the module values the guards read are
-        traced, or fixed at load); otherwise the guarded call, which recompiles where needed."""
+        directly (`DirectCalls`; the module values the guards read are traced, or fixed at load); otherwise the
+        guarded call, which recompiles where needed."""
         return self.direct(self.fn, self.model, (ids.shape[0] == 1, capture), ids, positions, None, capture, real)
 
     def _probes(self) -> dict:

@@ -8,6 +8,7 @@ Parameter names follow the HF checkpoints so the loader maps names one to one.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -126,26 +127,32 @@ class RowParallelLinear(Linear):
 
 
 # The module values a compiled step's graphs read that may change while a runner serves (compiled.TRACED_VALUES: the
-# study flag, the slot map, the dispatcher, the expert ids, the KV cache): every assignment of one, on any module of the
-# process, bumps one count, which a runner's direct call compares before each step (one read, where comparing the
-# values themselves is ~5 reads a layer: 118 us a step at DeepSeek-V3's 61 layers on a CPU host). The values are
-# replaced, never changed in place (the expert ids a new list each time, the caches a new tuple of tensors).
+# study flag, the slot map, the dispatcher, the expert ids, the KV cache): every assignment of one on a `TracedValues`
+# module (the MoE and attention layers) sets one process-wide mark to a value never used before, which a runner's
+# direct call compares before each step (one read, where comparing the values themselves was ~5 reads a layer: 121 us
+# a step at DeepSeek-V3's 61 layers on a CPU host). The values are replaced, never changed in place (the expert ids a
+# new list each time, the caches a new tuple of tensors).
+# (`_kv_cache` is what the guards read, stored by the `kv_cache` property's setter: marked as `kv_cache`)
 TRACED_ATTRIBUTES = frozenset({"study", "identity_slots", "dispatch", "expert_ids", "kv_cache", "_kv_cache"})
+_marks = itertools.count(1)  # (next() is one C call: two threads never take the same mark)
 _traced_writes = [0]
 
 
 def traced_writes() -> int:
-    """How many times a traced attribute (TRACED_ATTRIBUTES) was assigned in this process."""
+    """The mark of the latest assignment of a traced attribute (TRACED_ATTRIBUTES) in this process: it differs from
+    every mark read before that assignment."""
     return _traced_writes[0]
 
 
 class TracedValues:
-    """A module whose TRACED_ATTRIBUTES are counted as they are assigned (`traced_writes`)."""
+    """A module whose TRACED_ATTRIBUTES are marked as they are assigned (`traced_writes`). The mark is set after the
+    value is stored: a step that reads it then sees the value (marked first, a step between could find its graphs
+    again under the new mark with the old value, and keep them)."""
 
     def __setattr__(self, name, value):
-        if name in TRACED_ATTRIBUTES:
-            _traced_writes[0] += 1
         super().__setattr__(name, value)
+        if name in TRACED_ATTRIBUTES:
+            _traced_writes[0] = next(_marks)
 
 
 class _PagedCache(TracedValues):
