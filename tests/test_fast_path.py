@@ -714,10 +714,10 @@ def test_every_traced_value_is_counted_where_it_is_assigned():
     the KV pool, the expert-parallel dispatcher), each replaced, not changed in place; a mark is never used twice."""
     from dspark_cluster.model import compiled, layers
 
-    assert {name for name, _ in compiled.TRACED_VALUES} <= layers.TRACED_ATTRIBUTES
+    for name, _ in compiled.TRACED_VALUES:  # (`_kv_cache`: what the `kv_cache` property stores)
+        assert name == "_kv_cache" or isinstance(vars(layers.MoE).get(name), layers.Traced), name
     model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
     moe = model.moe_layers[0]
-    assert all(isinstance(m, layers.TracedValues) for m in (*model.moe_layers, *model.attention_layers))
     ids = moe.expert_ids
 
     seen = {layers.traced_writes()}

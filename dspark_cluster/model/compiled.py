@@ -183,7 +183,7 @@ _STATIC_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "EMPTY_NN_
 
 # The module values the steps' graphs read (the kept guards on the runner's modules, `guarded_values`: (attribute,
 # guard kind)) that can change while a runner serves, each with the guard kinds the key covers: the modules holding them
-# count every assignment (`layers.TracedValues`: each attribute is in `layers.TRACED_ATTRIBUTES`); a step after none
+# mark every assignment (`layers.Traced` attributes; the attention layers' `kv_cache` property); a step after none
 # calls the graphs without dynamo's guards (`CompiledSteps.forward`); after one it takes the guarded call, which
 # recompiles where the graphs read the value
 TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONSTANT_MATCH"),
@@ -191,13 +191,12 @@ TRACED_VALUES = frozenset({("study", "CONSTANT_MATCH"), ("identity_slots", "CONS
                            ("expert_ids", "SEQUENCE_LENGTH"), ("_kv_cache", "SEQUENCE_LENGTH")})
 # and the attributes the architecture fixes at load, whatever the guard (sizes, flags, fused projections' splits, the
 # decoder's layers, the communicator's ranks and key, a vocabulary shard's start, the expert dispatcher's key and
-# method, a method's defaults, the traced modules' counting `__setattr__`); module types are fixed too
+# method, a method's defaults); module types are fixed too
 FIXED_VALUES = frozenset({"bias", "down_name", "eps", "head_dim", "is_moe", "n_group", "nope", "norm_topk_prob",
                           "num_heads", "num_kv_heads", "q_lora", "qk_norm", "rank", "rope", "routed_scaling_factor",
                           "scale", "scoring", "shared_expert_gate", "shared_intermediate_size", "sizes", "top_k",
                           "topk_group", "vdim", "layers", "mlp", "tp_rank", "tp_size", "group_key", "dispatch_key",
-                          "__defaults__", "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start",
-                          "__setattr__"})
+                          "__defaults__", "__defaults__[]", "sizes[]", "fget", "__call__", "num_experts", "start"})
 
 
 def guarded_value(entry) -> "tuple | None":

@@ -127,37 +127,43 @@ class RowParallelLinear(Linear):
 
 
 # The module values a compiled step's graphs read that may change while a runner serves (compiled.TRACED_VALUES: the
-# study flag, the slot map, the dispatcher, the expert ids, the KV cache): every assignment of one on a `TracedValues`
-# module (the MoE and attention layers) sets one process-wide mark to a value never used before, which a runner's
-# direct call compares before each step (one read, where comparing the values themselves was ~5 reads a layer: 121 us
-# a step at DeepSeek-V3's 61 layers on a CPU host). The values are replaced, never changed in place (the expert ids a
-# new list each time, the caches a new tuple of tensors).
-# (`_kv_cache` is what the guards read, stored by the `kv_cache` property's setter: marked as `kv_cache`)
-TRACED_ATTRIBUTES = frozenset({"study", "identity_slots", "dispatch", "expert_ids", "kv_cache", "_kv_cache"})
+# study flag, the slot map, the dispatcher, the expert ids, the KV cache) are `Traced` attributes: every assignment
+# of one sets a process-wide mark to a value never used before, which a runner's direct call compares before each step
+# (one read, where comparing the values themselves was ~5 reads a layer: 121 us a step at DeepSeek-V3's 61 layers on
+# a CPU host). The values are replaced, never changed in place (the expert ids a new list each time, the caches a new
+# tuple of tensors).
 _marks = itertools.count(1)  # (next() is one C call: two threads never take the same mark)
 _traced_writes = [0]
 
 
 def traced_writes() -> int:
-    """The mark of the latest assignment of a traced attribute (TRACED_ATTRIBUTES) in this process: it differs from
-    every mark read before that assignment."""
+    """The mark of the latest assignment of a `Traced` attribute in this process: it differs from every mark read
+    before that assignment."""
     return _traced_writes[0]
 
 
-class TracedValues:
-    """A module whose TRACED_ATTRIBUTES are marked as they are assigned (`traced_writes`). The mark is set after the
-    value is stored: a step that reads it then sees the value (marked first, a step between could find its graphs
-    again under the new mark with the old value, and keep them)."""
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if name in TRACED_ATTRIBUTES:
-            _traced_writes[0] = next(_marks)
+def _mark() -> None:
+    """After a traced value is stored (marked first, a step between could find its graphs again under the new mark
+    with the old value, and keep them)."""
+    _traced_writes[0] = next(_marks)
 
 
-class _PagedCache(TracedValues):
+class Traced:
+    """A module attribute whose assignments are marked (`traced_writes`): a data descriptor without a getter, so a
+    read is the instance's own value (a dict lookup, as dynamo's guards read it) and only a store runs Python. For
+    plain values only: nn.Module files a module, parameter or buffer assigned to it elsewhere, past the descriptor."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.name] = value
+        _mark()
+
+
+class _PagedCache:
     """`kv_cache` as the engine sets it, plus the flat per-slot views every step writes through,
-    made once when it is set (a view per layer per step is an op each)."""
+    made once when it is set (a view per layer per step is an op each). Its assignments are marked (`Traced`)."""
 
     @property
     def kv_cache(self):
@@ -168,6 +174,7 @@ class _PagedCache(TracedValues):
         self.__dict__["_kv_cache"] = value
         self.__dict__["kv_flat"] = None if value is None else tuple(
             None if c is None else self.flat_view(c) for c in value)
+        _mark()
 
     def flat_view(self, cache):  # [num_blocks, block_size, Hkv, D] -> [slots, Hkv, D]
         return cache.view(-1, *cache.shape[2:])
@@ -451,10 +458,13 @@ def grouped_mm_available(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return _grouped_mm_experts(xs, counts, w13, w2) is not None
 
 
-class MoE(TracedValues, nn.Module):
+class MoE(nn.Module):
     """Routed experts (+ optional shared experts). Gating runs on every rank; this module holds the
     experts listed in `expert_ids` as stacked tensors. `dispatch` moves tokens to the ranks holding
     their experts; the default runs everything locally."""
+
+    # what the steps' compiled graphs read that may change while serving (compiled.TRACED_VALUES)
+    study, identity_slots, dispatch, expert_ids = Traced(), Traced(), Traced(), Traced()
 
     def __init__(self, spec: ModelSpec, comm, expert_ids=None):
         super().__init__()
@@ -483,7 +493,7 @@ class MoE(TracedValues, nn.Module):
 
     def set_expert_ids(self, expert_ids):
         """Which logical experts the stacked w13/w2 rows hold, in order."""
-        # a new list, replaced and never changed in place (TRACED_ATTRIBUTES); a list, not a tuple: the graphs read its
+        # a new list, replaced and never changed in place (`Traced`); a list, not a tuple: the graphs read its
         # length only (a tuple's values would be guarded: every migration would recompile)
         self.expert_ids = list(expert_ids)
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
