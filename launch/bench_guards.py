@@ -109,8 +109,8 @@ def arm(layers: int, keep_all: bool) -> dict:
     for i in range(6):
         for arm in (ms if i % 2 == 0 else reversed(list(ms))):
             ms[arm].append(hundred(arm))
-    # the key a direct call reads before each step (the runner's `DirectCalls` key: the count of traced values'
-    # assignments; a tree before it, the values themselves), 5 x 2000 times (us, median of the five)
+    # the key a direct call reads before each step (the runner's `DirectCalls` key: the mark of the traced values'
+    # latest assignment; a tree before it, the values themselves), 5 x 2000 times (us, median of the five)
     key, key_us = runner.direct._key_fn, []
     for _ in range(5):
         t = time.perf_counter()

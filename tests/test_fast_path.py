@@ -636,7 +636,7 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
     forwards do. Two models of one class whose tensors alone differ (hidden 64 and 96, the same head sizes and flags)
     each run their own graphs: each runner compiles a frame of its own. A step after which no traced value was assigned
     (`layers.traced_writes`) calls its graph's code without dynamo's guards (~1 ms a step at 61 layers); one after an
-    assignment (the bias, the slot map; also another model's, the count being the process's) takes the guarded call,
+    assignment (the bias, the slot map; also another model's, the mark being the process's) takes the guarded call,
     and the steps after it the new graphs directly."""
     from types import SimpleNamespace
 
@@ -708,14 +708,16 @@ def test_a_runner_guards_the_values_its_trace_reads_and_no_other_models_graphs(c
 
 
 def test_every_traced_value_is_counted_where_it_is_assigned():
-    """The direct dispatch compares one count (`layers.traced_writes`) where it compared every traced value: each
-    value the steps' graphs read and that may change (compiled.TRACED_VALUES) is an attribute whose assignments the
-    modules holding it count, by every way the engine assigns it (a study's bias, an expert migration's slot map,
-    the KV pool, the expert-parallel dispatcher), each replaced, not changed in place; a mark is never used twice."""
+    """The direct dispatch compares one mark (`layers.traced_writes`) where it compared every traced value: each
+    value the steps' graphs read and that may change (compiled.TRACED_VALUES) is an attribute whose assignments set
+    a new mark (`layers.Traced`, the `kv_cache` property), by every way the engine assigns it (a study's bias, an
+    expert migration's slot map, the KV pool, the expert-parallel dispatcher), each replaced, not changed in place;
+    a mark is never used twice."""
     from dspark_cluster.model import compiled, layers
 
     for name, _ in compiled.TRACED_VALUES:  # (`_kv_cache`: what the `kv_cache` property stores)
-        assert name == "_kv_cache" or isinstance(vars(layers.MoE).get(name), layers.Traced), name
+        assert isinstance(vars(layers._PagedCache)["kv_cache"], property) if name == "_kv_cache" else \
+            isinstance(vars(layers.MoE).get(name), layers.Traced), name
     model = load_model(TINY_MOE, load_spec(TINY_MOE, "float32"))
     moe = model.moe_layers[0]
     ids = moe.expert_ids

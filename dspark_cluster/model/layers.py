@@ -151,7 +151,8 @@ def _mark() -> None:
 class Traced:
     """A module attribute whose assignments are marked (`traced_writes`): a data descriptor without a getter, so a
     read is the instance's own value (a dict lookup, as dynamo's guards read it) and only a store runs Python. For
-    plain values only: nn.Module files a module, parameter or buffer assigned to it elsewhere, past the descriptor."""
+    plain values only (a module assigned to one would go to `_modules`, unmarked, and reads would return this
+    descriptor; a parameter or buffer of its name is refused)."""
 
     def __set_name__(self, owner, name):
         self.name = name
