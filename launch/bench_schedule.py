@@ -210,11 +210,13 @@ def main():
             p.exploring = p._learning = False
             p.draft_len = lambda num_rows: p.k
             if args.calib_draft_all == "verify":  # and every drafted position is verified: rounds not censored
-                p.verify_lengths = lambda raw, *_: (~np.isnan(raw)).sum(1)
+                p.verify_lengths = lambda raw, *_, **__: (~np.isnan(raw)).sum(1)
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
         steps, observe, prompt = [], p.observe, [0]
-        if args.rounds_out:  # every step's outcomes, as the planner saw them, and the prompt they came from
-            p.observe = lambda raw, ver, acc: (steps.append((raw, ver, acc, prompt[0])), observe(raw, ver, acc))
+        if args.rounds_out:  # every step's outcomes, as the planner saw them, the prompt and sequences they came from
+            p.observe = lambda raw, ver, acc, seq_ids=None: (
+                steps.append((raw, ver, acc, prompt[0], np.full(len(raw), -1) if seq_ids is None else seq_ids)),
+                observe(raw, ver, acc, seq_ids))
         for i in range(args.calib_requests):
             prompt[0] = i % len(held_out)
             llm.generate([calibration_prompt(held_out, i, args.calib_stream)], params)
@@ -223,7 +225,8 @@ def main():
             np.savez(f"{args.rounds_out}.{d}.npz", conf=np.concatenate([x[0] for x in steps]),
                      verified=np.concatenate([np.asarray(x[1]) for x in steps]),
                      accepted=np.concatenate([np.asarray(x[2]) for x in steps]),
-                     step_rows=np.array([len(x[0]) for x in steps]), step_prompt=np.array([x[3] for x in steps]))
+                     step_rows=np.array([len(x[0]) for x in steps]), step_prompt=np.array([x[3] for x in steps]),
+                     seq_ids=np.concatenate([np.asarray(x[4], dtype=np.int64) for x in steps]))
         load += [open("/proc/loadavg").read().split()[:3]] if load else []
         spec = llm.engine.speculative_summary()
         cal = {**spec["calibration"], **p.calibration_report(floors=True)}

@@ -9,7 +9,8 @@ Each variant is a calibration method of `speculative/confidence.py`, optionally 
 for its fit and for the planner (`name:key=value:key=value@window=4000@refit_every=250`). The recorded steps are fed, in their order, to a fresh
 `VerifyPlanner` (the engine's window and refit schedule) whose method in force is the variant, so every
 round is scored with the fits in force when it ran, made on earlier rounds only, exactly as live; then
-ECE by position, its noise floor and the Brier score, as `bench_schedule.py` part 3 prints them. The
+ECE by position, its noise floor and the Brier score, as `bench_schedule.py` part 3 prints them. The planner gets
+each round's sequence (its per-sequence offsets, `VerifyPlanner.sequence_prior`; `@sequence_prior=0`: none). The
 verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
 on the same rounds, not on the rounds it would have chosen. --unseen-prompts: each round scored with a fit made
 without its own prompt's rounds (the benchmark cycles 131 prompts: a window longer than a cycle otherwise
@@ -68,15 +69,15 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
     try:
         if kw:  # the planner fits by name: the variant's keywords go in under the method's own name
             confidence.CALIBRATIONS[name] = (partial(fit, **kw), apply)
-        conf, ver, acc = rounds["conf"], rounds["verified"], rounds["accepted"]
+        conf, ver, acc, seqs = rounds["conf"], rounds["verified"], rounds["accepted"], sequence_ids(rounds)
         planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), "dspark", calibration=name, compare=(),
                                 **planner_kw)
         start, verified, drafted, observe_s = 0, 0, 0, []
         for n in rounds["step_rows"].tolist():
-            c, v, a = conf[start : start + n], ver[start : start + n], acc[start : start + n]
+            c, v, a, ids = conf[start : start + n], ver[start : start + n], acc[start : start + n], seqs[start : start + n]
             if budget is not None:
                 beta, draft_s, full_every = budget
-                lengths = choose_verify_lengths(planner.calibrated_survival(c), n, float(n),
+                lengths = choose_verify_lengths(planner.calibrated_survival(c, seq_ids=ids), n, float(n),
                                                 lambda B: 1.0 + beta * (np.asarray(B) - n), draft_s)
                 if full_every:
                     lengths = np.where((start + np.arange(n)) % full_every == 0, v, lengths)
@@ -84,7 +85,7 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
                 a = np.minimum(a, v)
             verified, drafted = verified + int(v.sum()), drafted + int((~np.isnan(c)).sum())
             t = time.perf_counter()
-            planner.observe(c, v, a)  # (scoring, refits and refreshes: the planner's work in the step loop)
+            planner.observe(c, v, a, ids)  # (scoring, refits and refreshes: the planner's work in the step loop)
             observe_s.append(time.perf_counter() - t)
             start += n
         live = list(planner.live)
@@ -96,6 +97,16 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
     finally:
         confidence.CALIBRATIONS.clear()
         confidence.CALIBRATIONS.update(patched)
+
+
+def sequence_ids(rounds: dict) -> np.ndarray:
+    """[R] the sequence each round belongs to: as recorded (`seq_ids`), or, in a recording without them (before
+    session 35: one request at a time), a new sequence wherever a step's prompt differs from the step before's."""
+    if "seq_ids" in rounds and (rounds["seq_ids"] >= 0).all():
+        return rounds["seq_ids"]
+    prompt = rounds["step_prompt"]
+    step_seq = np.cumsum(np.concatenate([[0], prompt[1:] != prompt[:-1]]))
+    return np.repeat(step_seq, rounds["step_rows"])
 
 
 def replay_unseen(rounds: dict, variant: str) -> dict:

@@ -198,6 +198,57 @@ def test_the_drift_offsets_follow_a_stream_whose_acceptance_moves():
     assert all(d < f + 0.01 for d, f in zip(drift, floor)) and np.mean(drift) < np.mean(iso) + 0.003, (drift, iso)
 
 
+def sequences_of_own_difficulty(rng, sequences, rounds, concurrent, K=4, spread=0.8):
+    """Steps of `concurrent` sequences at a time, each verifying `rounds` rounds of K drafts: confidences from one
+    law, but each sequence's true survival shifted by its own N(0, spread) in logit space (a text easier or harder
+    than its confidences say). -> [(raw [N, K], verified [N], accepted [N], seq_ids [N])] in step order."""
+    shift = rng.normal(0, spread, sequences)
+    base = np.array([-0.4, 0.5, -0.2, 0.3])[:K]
+    steps = []
+    for first in range(0, sequences, concurrent):
+        ids = np.arange(first, min(first + concurrent, sequences))
+        for _ in range(rounds):
+            raw = rng.uniform(0.05, 0.95, size=(len(ids), K))
+            p = apply_platt(raw, (np.ones(K), base[None, :] + shift[ids][:, None]))
+            acc = np.cumprod(rng.uniform(size=(len(ids), K)) < p, axis=1).sum(1)
+            steps.append((raw, np.full(len(ids), K), acc, ids))
+    return steps
+
+
+def test_sequence_offsets_follow_each_sequences_own_difficulty():
+    """Sequences whose survival sits above or below what their confidences say by an amount of their own: each
+    one's offset, learned from its finished rounds, moves its raw survival before the map, which is fitted on the
+    rounds as moved. The same rounds live, with and without offsets: as well calibrated (ECE), sharper (Brier); a
+    finished sequence's offset goes; without `sequence_prior` nothing moves."""
+    K, rng = 4, np.random.default_rng(12)
+    steps = sequences_of_own_difficulty(rng, 600, 20, 8)
+
+    def live(prior):
+        p = VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", min_rounds=50, compare=(), sequence_prior=prior)
+        for raw, ver, acc, ids in steps:
+            p.observe(raw, ver, acc, ids)
+        return p, p.calibration_report(floors=True)
+
+    p, on = live(10.0)
+    q, off = live(None)
+    assert max(on["ece_after_by_position"]) < 0.015 and max(off["ece_after_by_position"]) < 0.015
+    assert sum(on["brier_by_method"]["isotonic_drift"]) < sum(off["brier_by_method"]["isotonic_drift"]) - 0.015, \
+        (on["brier_by_method"], off["brier_by_method"])
+    assert not q._seq and p.summary()["sequences_with_offsets"] == len(p._seq) > 0
+    offsets = p.sequence_offsets(list(p._seq))
+    assert np.std(offsets) > 0.3 and np.abs(offsets).max() <= 3.0  # learned, not left at 0
+    # the offset moves a sequence's raw survival in logit space before the map: a'_j non-decreasing in it
+    c = rng.uniform(0.05, 0.95, size=(200, K))
+    sid = max(p._seq, key=lambda i: p._seq[i][0])  # the sequence found easiest
+    assert p.sequence_offsets([sid])[0] > 0
+    moved, plain = p.calibrated_survival(c, seq_ids=[sid] * 200), p.calibrated_survival(c)
+    assert np.all(moved >= plain - 1e-12) and np.any(moved > plain)
+    np.testing.assert_array_equal(p.calibrated_survival(c, seq_ids=[10**6] * 200), plain)  # a sequence not seen: 0
+    p.forget([sid])
+    np.testing.assert_array_equal(p.calibrated_survival(c, seq_ids=[sid] * 200), plain)
+    np.testing.assert_array_equal(q.calibrated_survival(c, seq_ids=[sid] * 200), q.calibrated_survival(c))
+
+
 def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossless():
     """The planner's default calibration, fitted on live-like rounds, with the structural property of
     `test_a_slot_is_verified_whatever_the_slots_after_it_say` through `VerifyPlanner.verify_lengths`."""
@@ -206,8 +257,8 @@ def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossles
     assert p.calibration == "isotonic_drift" and p.methods == ("isotonic_drift", "sts")
     rng = np.random.default_rng(7)
     raw, ver, acc, _ = shifted_rounds(rng, 4000, [-0.8, 0.6, -0.4, 0.3])
-    for i in range(0, len(raw), 8):
-        p.observe(raw[i:i + 8], ver[i:i + 8], acc[i:i + 8])
+    for i in range(0, len(raw), 8):  # 8 sequences' rounds a step, 40 rounds each: offsets of their own
+        p.observe(raw[i:i + 8], ver[i:i + 8], acc[i:i + 8], np.arange(8) + 8 * (i // 320))
     summary = p.summary()
     assert summary["calibration_method"] == "isotonic_drift" and summary["compared_methods"] == ["sts"]
     assert len(summary["calibration_params"]["knots"]) == K and summary["calibration_params"]["knots"][0] is not None
@@ -225,12 +276,14 @@ def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossles
         else:  # a jump, then flat
             p.step_cost = (lambda kn, h: lambda B: 1.0 + h * (np.asarray(B, dtype=float) >= kn))(
                 knee, float(rng.uniform(0.05, 0.5)))
-        base = p.verify_lengths(c, N, float(N), 0.0)
+        seqs = rng.choice(np.arange(8) + 8 * (len(raw) // 320 - 1), N, replace=False)  # (their offsets set)
+        base = p.verify_lengths(c, N, float(N), 0.0, seqs)
         r, j = rng.integers(N), rng.integers(K)
         c2 = c.copy()
         c2[r, j + 1:] = rng.uniform(0.05, 0.99, size=K - j - 1)
-        other = p.verify_lengths(c2, N, float(N), 0.0)
+        other = p.verify_lengths(c2, N, float(N), 0.0, seqs)
         assert min(other[r], j + 1) == min(base[r], j + 1), (trial, c, c2, base, other)
+    assert np.count_nonzero(p.sequence_offsets(np.arange(8) + 8 * (len(raw) // 320 - 1))) == 8
     with pytest.raises(ValueError, match="calibration method must be one of"):
         VerifyPlanner(K, StepCost([1, 64], [0.01, 0.01]), "dspark", calibration="vector")
 
@@ -357,10 +410,19 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         assert llm.engine.planner.prior_acceptance is None
         llm.engine.planner.refit_every = 20  # refit within this short run
         llm.engine.planner.min_rounds = 20
+        forgotten, offsets_seen, forget = set(), set(), llm.engine.planner.forget
+
+        def watch(ids):  # the sequences that finish, and those of them that had an offset of their own
+            forgotten.update(ids)
+            offsets_seen.update(i for i in ids if i in llm.engine.planner._seq)
+            forget(ids)
+        llm.engine.planner.forget = watch
         outs = llm.generate(bundled_prompts, params)
         assert [o.token_ids for o in outs] == base
         planner = llm.engine.planner
         assert len(planner.window) > 0 and (planner.num_refits >= 1 or method == "ngram")
+        # sequences' offsets of their own (here DSpark's drafts the most rounds), dropped when they finished
+        assert not planner._seq and (offsets_seen or method != "dspark")
         steps = list(llm.engine.step_stats)
         assert sum(s["num_drafted"] for s in steps) >= sum(s["num_verified"] for s in steps) > 0
         spec = llm.engine.speculative_summary()

@@ -258,7 +258,8 @@ class Speculation:
         raw = self.planner.raw_confidences([s.proposal for s in rows])
         for i, s in enumerate(rows):  # past its draft slots a position is not a candidate
             raw[i, keep[id(s)]:] = np.nan
-        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
+        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s,
+                                              [s.seq.seq_id for s in rows])
         for s, conf, n in zip(rows, raw, lengths.tolist()):
             s.draft_confidences = conf
             keep[id(s)] = min(keep[id(s)], n)
@@ -398,7 +399,7 @@ class Speculation:
         drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
         if self.planner is not None and drafted:
             self.planner.observe(np.stack([s.draft_confidences for s in drafted]), [s.num_draft for s in drafted],
-                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted])
+                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted], [s.seq.seq_id for s in drafted])
         return len(round_tokens), sum(round_tokens)
 
     def step_stats(self, scheds) -> dict:
@@ -436,6 +437,8 @@ class Speculation:
         all, or seq_id -> reason."""
         reasons = reason if isinstance(reason, dict) else {s.seq_id: reason for s in seqs}
         ids = [s.seq_id for s in seqs]
+        if self.planner is not None:
+            self.planner.forget(ids)  # (their calibration offsets)
         if self.drafter.export() is not None:
             for sid in ids:
                 if sid in self.stale:

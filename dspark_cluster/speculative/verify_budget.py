@@ -230,14 +230,27 @@ class VerifyPlanner:
     4000 rounds for the map's shape (2000 left position 5 at 2.2-2.6% ECE; 3000-6000 read 1.5-1.7% there on
     prompts the window did not hold, BENCHMARKS.md session 16); refitted every refit_every rounds (250: 500
     lagged the stream's drift), with the cheap update of a method that has one (the drift offsets, on the
-    latest `confidence.DRIFT_ROUNDS`) every refresh_every."""
+    latest `confidence.DRIFT_ROUNDS`) every refresh_every.
+
+    sequence_prior: each sequence's own offset in logit space, learned from its finished rounds
+    (`sequence_offsets`), moves its raw survival before the methods map it, and the window keeps the rounds as moved,
+    so the maps are fitted on what they are applied to (calibrated by construction) and the offsets add what
+    the confidences miss: how hard this text is (a stream's level moved +-4 points over ~1,500 rounds, which a
+    window's map and its drift offsets follow late; within a request it holds). The offset's Gaussian prior has
+    precision sequence_prior (10: best of 5-60 on two live recordings, BENCHMARKS.md session 35); None: off. It
+    reads only finished rounds, so the choice of what to verify never reads a draft's tokens (lossless), and a'_j
+    stays non-decreasing in c_j and non-increasing along j."""
 
     def __init__(self, k: int, step_cost: StepCost, method: str, window: int = 4000, refit_every: int = 250,
                  min_rounds: int = 50, explore_every: int = 256, explore_rows: int = 4,
                  calibration: str = "isotonic_drift", compare: tuple = ("sts",),
                  prior_acceptance: Optional[float] = 0.8, draft_passes: int = 1, refresh_every: int = 100,
-                 compare_refit_every: int = 500):
+                 compare_refit_every: int = 500, sequence_prior: Optional[float] = 10.0):
         self.k, self.step_cost, self.method, self.draft_passes = k, step_cost, method, draft_passes
+        # seq_id -> [its offset, the sum of p(1 - p) over its scored positions] (`sequence_offsets`); dropped when it
+        # finishes (`forget`)
+        self.sequence_prior = sequence_prior
+        self._seq: dict[int, list] = {}
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
         self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
@@ -348,7 +361,7 @@ class VerifyPlanner:
         """Forget the window, the live record and every fit (a fresh start for a measurement), and
         optionally change the method in force and the compared ones."""
         self._set_methods(calibration or self.calibration, self.methods[1:] if compare is None else compare)
-        self.window.clear(), self.live.clear()
+        self.window.clear(), self.live.clear(), self._seq.clear()
         self.fitted, self.num_refits, self._since_fit, self._report_t = False, 0, 0, -math.inf
 
     @property
@@ -356,10 +369,37 @@ class VerifyPlanner:
         """STS temperatures [K] (ones when STS is not fitted here): the figure reports have shown."""
         return self.params["sts"] if "sts" in self.params else np.ones(self.k)
 
-    def calibrated_survival(self, raw: np.ndarray, method: Optional[str] = None) -> np.ndarray:
-        """raw confidences [..., K] -> calibrated survival [..., K] (by the method in force unless named)."""
+    def calibrated_survival(self, raw: np.ndarray, method: Optional[str] = None, seq_ids=None) -> np.ndarray:
+        """raw confidences [..., K] -> calibrated survival [..., K] (by the method in force unless named); with
+        seq_ids [N] (raw [N, K]), each row's raw survival moved by its sequence's offset first (`_shifted`)."""
         m = method or self.calibration
-        return survival(apply_calibration(m, raw, self.params[m]))
+        return survival(apply_calibration(m, self._shifted(raw, seq_ids), self.params[m]))
+
+    def _shifted(self, raw: np.ndarray, seq_ids) -> np.ndarray:
+        """raw [N, K] -> the confidences whose product is each row's raw survival moved by its sequence's offset in
+        logit space (what the methods are fitted on and applied to; NaN stays NaN). Not for n-gram drafts: their
+        fits read the window's acceptance rates, not the rounds as kept (`_fit_confidences`)."""
+        if seq_ids is None or not self.sequence_prior or self.method == "ngram":
+            return raw
+        d = self.sequence_offsets(seq_ids)
+        if not d.any():
+            return raw
+        a = survival(np.clip(raw, 1e-9, 1 - 1e-9))
+        a = 1 / (1 + np.exp(-(np.log(a / (1 - a)) + d[:, None])))
+        prev = np.concatenate([np.ones_like(a[:, :1]), a[:, :-1]], axis=1)
+        return a / prev
+
+    def sequence_offsets(self, seq_ids) -> np.ndarray:
+        """[N] each sequence's offset in logit space (0 before it has one): after each of its rounds it moves by
+        sum(y - p) / (W + sequence_prior), y the positions' outcomes, p the survival predicted for them, W the
+        sum of p(1 - p) over the sequence's positions so far (an online Newton step of a logistic offset with a
+        Gaussian prior), within +-3."""
+        return np.array([self._seq.get(sid, (0.0,))[0] for sid in seq_ids], dtype=np.float64)
+
+    def forget(self, seq_ids) -> None:
+        """Finished sequences: their offsets go."""
+        for sid in seq_ids:
+            self._seq.pop(sid, None)
 
     # ---- choices ---------------------------------------------------------------------------
     def draft_len(self, num_rows: int) -> int:
@@ -488,9 +528,11 @@ class VerifyPlanner:
         cost[1:] += self.hidden_host_s  # a plain step hides the host's work (async scheduling); a drafting one waits
         return num_rows * (1 + a) / cost
 
-    def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float) -> np.ndarray:
-        """raw [N, K] confidences of this step's drafts -> draft positions to verify per row [N]."""
-        a = self.calibrated_survival(raw)
+    def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float,
+                       seq_ids=None) -> np.ndarray:
+        """raw [N, K] confidences of this step's drafts (of sequences seq_ids [N]) -> draft positions to verify
+        per row [N]."""
+        a = self.calibrated_survival(raw, seq_ids=seq_ids)
         return choose_verify_lengths(a, base_tokens, base_expected, self.step_cost, draft_s)
 
     # ---- observations ----------------------------------------------------------------------
@@ -549,16 +591,20 @@ class VerifyPlanner:
         self._since_draft = 0
         self._last_draft_t = self.clock()
 
-    def observe(self, raw: np.ndarray, verified, accepted) -> None:
+    def observe(self, raw: np.ndarray, verified, accepted, seq_ids=None) -> None:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
-        the positions verified [N] and how many of them were accepted [N]."""
+        the positions verified [N] and how many of them were accepted [N], of sequences seq_ids [N] (None:
+        no sequence offsets)."""
         verified, accepted = np.asarray(verified), np.asarray(accepted)
+        shifted = self._shifted(raw, seq_ids)  # (raw, where no offsets: the window keeps what the fits read)
         if self.fitted:  # scored now with the fits in force (made on earlier rounds), every method on the same rounds
             a_raw = survival(raw)
-            a_cal = np.stack([self.calibrated_survival(raw, m) for m in self.methods], axis=1)  # [N, M, K]
+            a_cal = np.stack([survival(apply_calibration(m, shifted, self.params[m])) for m in self.methods], axis=1)
             self.live.extend((a_raw[i], a_cal[i], int(verified[i]), int(accepted[i]))
                              for i in np.nonzero(verified)[0].tolist())
-        self.window.extend(zip(raw, verified.tolist(), accepted.tolist()))
+            if seq_ids is not None and self.sequence_prior and self.method != "ngram":
+                self._observe_sequences(a_cal[:, 0], verified, accepted, seq_ids)
+        self.window.extend(zip(shifted, verified.tolist(), accepted.tolist()))
         self._since_fit += len(raw)
         self._since_refresh += len(raw)
         self._since_compare += len(raw)
@@ -566,6 +612,22 @@ class VerifyPlanner:
             self.refit()  # the first fit as soon as there is enough, then every refit_every rounds
         elif self.fitted and self._since_refresh >= self.refresh_every:
             self.refresh()
+
+    def _observe_sequences(self, a: np.ndarray, verified, accepted, seq_ids) -> None:
+        """Each sequence's offset (`sequence_offsets`) after this round: a [N, K] the survival the method in force
+        predicted for it."""
+        j = np.arange(self.k)[None, :]
+        scored = (j < verified[:, None]) & ~np.isnan(a)
+        p = np.where(scored, a, 0.0)
+        resid = (np.where(scored & (j < accepted[:, None]), 1.0, 0.0) - p).sum(1)
+        weight = (p * (1 - p)).sum(1)
+        for sid, r, w, n in zip(seq_ids, resid.tolist(), weight.tolist(), scored.sum(1).tolist()):
+            if n:
+                st = self._seq.setdefault(sid, [0.0, 0.0])  # [offset, W]
+                st[1] += w
+                st[0] = min(max(st[0] + r / (st[1] + self.sequence_prior), -3.0), 3.0)
+        while len(self._seq) > 65536:  # (a sequence never forgotten: the oldest go)
+            self._seq.pop(next(iter(self._seq)))
 
     def refresh(self) -> None:
         """The cheap update of the methods that have one, on the latest DRIFT_ROUNDS rounds of the window."""
@@ -582,6 +644,7 @@ class VerifyPlanner:
         """Another drafter version serves: its confidences are calibrated afresh from its own rounds
         (the fits in force stay until then)."""
         self.window.clear()
+        self._seq.clear()
         self.fitted = False
         self._since_fit = 0
         self._memo.clear()
@@ -606,7 +669,8 @@ class VerifyPlanner:
         self._memo.clear()
 
     def summary(self) -> dict:
-        out = {"calibration_method": self.calibration,
+        out = {"calibration_method": self.calibration, "sequence_prior": self.sequence_prior,
+               "sequences_with_offsets": len(self._seq),
                "calibration_params": describe_params(self.calibration, self.params[self.calibration]),
                "compared_methods": list(self.methods[1:]),
                "temperatures": self.temps.round(3).tolist(), "refits": self.num_refits,
@@ -639,14 +703,15 @@ class VerifyPlanner:
         ver = np.array([x[2] for x in live])
         acc = np.array([x[3] for x in live])
         r4 = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
-        ece = {m: r4(ece_by_position(a_cal[:, i], ver, acc)) for i, m in enumerate(self.methods)}
+        labels = self.methods
+        ece = {m: r4(ece_by_position(a_cal[:, i], ver, acc)) for i, m in enumerate(labels)}
         return {"ece_before_by_position": r4(ece_by_position(a_raw, ver, acc)),
                 "ece_after_by_position": ece[self.calibration],
                 "ece_floor_by_position": r4(ece_by_position(a_cal[:, 0], ver, acc, floor=True)),
                 "rounds_by_position": [int((ver > j).sum()) for j in range(self.k)],
                 "ece_by_method": ece,
                 **({"ece_floor_by_method": {m: r4(ece_by_position(a_cal[:, i], ver, acc, floor=True))
-                                            for i, m in enumerate(self.methods)}} if floors else {}),
+                                            for i, m in enumerate(labels)}} if floors else {}),
                 "brier_by_method": {"raw": r4(brier_by_position(a_raw, ver, acc)),
                                     **{m: r4(brier_by_position(a_cal[:, i], ver, acc))
-                                       for i, m in enumerate(self.methods)}}}
+                                       for i, m in enumerate(labels)}}}
