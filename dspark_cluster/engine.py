@@ -351,9 +351,18 @@ class LLMEngine:
 
     def _learn(self, learn: list) -> None:
         """The verify outcomes of a processed step, to the drafter's statistics and the verify planner
-        (off the critical path: nothing the next step's input needs)."""
+        (off the critical path: nothing the next step's input needs). A failure to learn is logged and counted
+        (`learn_failures` in the speculative summary), never raised: the step's tokens are out already (raised, the
+        events of the requests it finished were lost and their callers waited for ever), and what the planner
+        learns decides only how much is verified, never what is output."""
         for rows, sampled, num_steps in learn:
-            self.speculation.observe(rows, sampled, num_steps)
+            try:
+                self.speculation.observe(rows, sampled, num_steps)
+            except Exception:  # noqa: BLE001 -- see above
+                self.speculation.learn_failures += 1
+                if self.speculation.learn_failures in (1, 10, 100) or self.speculation.learn_failures % 1000 == 0:
+                    log.exception("learning from a step's verify outcomes failed (%d times so far); its tokens "
+                                  "stand, the planner keeps what it learned before", self.speculation.learn_failures)
 
     def _advance(self, step: "_InFlight", t0: float) -> tuple[list[TokenEvent], list]:
         """_process but the verify outcomes' learning, returned for _learn: (events, learn)."""

@@ -30,8 +30,10 @@ class ScheduledSeq:
     samples: bool  # the chunk reaches the end of the tokens, so the next token is sampled
     num_lookahead: int = 0  # KV slots reserved for drafts (speculative decode rows)
     proposal: Optional[Proposal] = None  # drafts to verify, filled in before the step
-    # schedule confidence: the raw confidences [K] of every drafted position, verified or not
+    # schedule confidence: the raw confidences [K] of every drafted position, verified or not, and the sequence's
+    # calibration offset the verify budget chose with (VerifyPlanner.sequence_offsets)
     draft_confidences: Optional[object] = None
+    draft_offset: float = 0.0
 
     @property
     def num_draft(self) -> int:

@@ -10,7 +10,8 @@ for its fit and for the planner (`name:key=value:key=value@window=4000@refit_eve
 `VerifyPlanner` (the engine's window and refit schedule) whose method in force is the variant, so every
 round is scored with the fits in force when it ran, made on earlier rounds only, exactly as live; then
 ECE by position, its noise floor and the Brier score, as `bench_schedule.py` part 3 prints them. The planner gets
-each round's sequence (its per-sequence offsets, `VerifyPlanner.sequence_prior`; `@sequence_prior=0`: none). The
+each round's sequence (its per-sequence offsets, `VerifyPlanner.sequence_prior`; `@sequence_prior=0`: none;
+not with --unseen-prompts, whose fits are made apart from the planner). The
 verify lengths are the recorded ones (what the schedule in force then verified): a variant is compared
 on the same rounds, not on the rounds it would have chosen. --unseen-prompts: each round scored with a fit made
 without its own prompt's rounds (the benchmark cycles 131 prompts: a window longer than a cycle otherwise
@@ -77,7 +78,8 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
             c, v, a, ids = conf[start : start + n], ver[start : start + n], acc[start : start + n], seqs[start : start + n]
             if budget is not None:
                 beta, draft_s, full_every = budget
-                lengths = choose_verify_lengths(planner.calibrated_survival(c, seq_ids=ids), n, float(n),
+                lengths = choose_verify_lengths(planner.calibrated_survival(c, offsets=planner.sequence_offsets(ids)),
+                                                n, float(n),
                                                 lambda B: 1.0 + beta * (np.asarray(B) - n), draft_s)
                 if full_every:
                     lengths = np.where((start + np.arange(n)) % full_every == 0, v, lengths)

@@ -35,7 +35,7 @@ class PatternPlanner(VerifyPlanner):
         self.calls += 1
         return k
 
-    def verify_lengths(self, raw, base_tokens, base_expected, draft_s):
+    def verify_lengths(self, raw, base_tokens, base_expected, draft_s, offsets=None):
         return (~np.isnan(raw)).sum(1)
 
 

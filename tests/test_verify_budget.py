@@ -241,12 +241,24 @@ def test_sequence_offsets_follow_each_sequences_own_difficulty():
     c = rng.uniform(0.05, 0.95, size=(200, K))
     sid = max(p._seq, key=lambda i: p._seq[i][0])  # the sequence found easiest
     assert p.sequence_offsets([sid])[0] > 0
-    moved, plain = p.calibrated_survival(c, seq_ids=[sid] * 200), p.calibrated_survival(c)
+    moved, plain = p.calibrated_survival(c, offsets=p.sequence_offsets([sid] * 200)), p.calibrated_survival(c)
     assert np.all(moved >= plain - 1e-12) and np.any(moved > plain)
-    np.testing.assert_array_equal(p.calibrated_survival(c, seq_ids=[10**6] * 200), plain)  # a sequence not seen: 0
+    assert np.all(np.diff(moved, axis=1) <= 1e-12)  # still non-increasing along j
+    assert not p.sequence_offsets([10**6, None]).any()  # a sequence not seen, or finished: 0
     p.forget([sid])
-    np.testing.assert_array_equal(p.calibrated_survival(c, seq_ids=[sid] * 200), plain)
-    np.testing.assert_array_equal(q.calibrated_survival(c, seq_ids=[sid] * 200), q.calibrated_survival(c))
+    assert p.sequence_offsets([sid])[0] == 0 and sid not in p._seq
+    np.testing.assert_array_equal(q.calibrated_survival(c, offsets=np.ones(200)), q.calibrated_survival(c))  # off
+    # the rounds are kept as moved by the offsets their lengths were chosen with (async scheduling: a sequence's
+    # offset may have moved since), and a finished sequence (None) learns nothing more
+    other = max(p._seq)
+    before = {i: list(st) for i, st in p._seq.items()}
+    raw = rng.uniform(0.05, 0.95, size=(2, K))
+    p.observe(raw, np.array([K, K]), np.array([K, 0]), [other, None], np.array([0.5, -0.5]))
+    for row, d in zip(list(p.window)[-2:], (0.5, -0.5)):
+        a = np.cumprod(raw[0 if d > 0 else 1])
+        np.testing.assert_allclose(survival(np.asarray(row[0])), 1 / (1 + np.exp(-(np.log(a / (1 - a)) + d))),
+                                   rtol=1e-9)
+    assert set(p._seq) == set(before) and p._seq[other][0] != before[other][0]
 
 
 def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossless():
@@ -277,11 +289,11 @@ def test_planner_calibrates_by_the_default_method_compares_sts_and_stays_lossles
             p.step_cost = (lambda kn, h: lambda B: 1.0 + h * (np.asarray(B, dtype=float) >= kn))(
                 knee, float(rng.uniform(0.05, 0.5)))
         seqs = rng.choice(np.arange(8) + 8 * (len(raw) // 320 - 1), N, replace=False)  # (their offsets set)
-        base = p.verify_lengths(c, N, float(N), 0.0, seqs)
+        base = p.verify_lengths(c, N, float(N), 0.0, p.sequence_offsets(seqs))
         r, j = rng.integers(N), rng.integers(K)
         c2 = c.copy()
         c2[r, j + 1:] = rng.uniform(0.05, 0.99, size=K - j - 1)
-        other = p.verify_lengths(c2, N, float(N), 0.0, seqs)
+        other = p.verify_lengths(c2, N, float(N), 0.0, p.sequence_offsets(seqs))
         assert min(other[r], j + 1) == min(base[r], j + 1), (trial, c, c2, base, other)
     assert np.count_nonzero(p.sequence_offsets(np.arange(8) + 8 * (len(raw) // 320 - 1))) == 8
     with pytest.raises(ValueError, match="calibration method must be one of"):
@@ -410,19 +422,11 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         assert llm.engine.planner.prior_acceptance is None
         llm.engine.planner.refit_every = 20  # refit within this short run
         llm.engine.planner.min_rounds = 20
-        forgotten, offsets_seen, forget = set(), set(), llm.engine.planner.forget
-
-        def watch(ids):  # the sequences that finish, and those of them that had an offset of their own
-            forgotten.update(ids)
-            offsets_seen.update(i for i in ids if i in llm.engine.planner._seq)
-            forget(ids)
-        llm.engine.planner.forget = watch
         outs = llm.generate(bundled_prompts, params)
         assert [o.token_ids for o in outs] == base
         planner = llm.engine.planner
         assert len(planner.window) > 0 and (planner.num_refits >= 1 or method == "ngram")
-        # sequences' offsets of their own (here DSpark's drafts the most rounds), dropped when they finished
-        assert not planner._seq and (offsets_seen or method != "dspark")
+        assert not planner._seq  # every sequence's offset dropped when it finished (learned: the next test)
         steps = list(llm.engine.step_stats)
         assert sum(s["num_drafted"] for s in steps) >= sum(s["num_verified"] for s in steps) > 0
         spec = llm.engine.speculative_summary()
@@ -437,6 +441,73 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         prom = generate_latest(metrics.registry).decode()
         assert f"dspark_spec_verified_share {float(spec['verified_share'])}" in prom
         assert f"dspark_spec_verify_budget {float(steps[-1]['verify_budget'])}" in prom
+
+
+def test_the_engine_learns_each_sequences_offset_and_gives_back_the_one_each_round_was_chosen_with():
+    """Every step drafts 4 (a fixed pattern: no timing decides): each round's outcome reaches the planner with its
+    sequence and the offset its verify length was chosen with (in process, the sequence's offset before the outcome
+    moves it); the sequences learn offsets of their own, and each goes when its sequence finishes. Greedy output is
+    plain decoding's."""
+    from test_idle_drafter import PatternPlanner
+
+    prompts = read_prompts(DEFAULT_PROMPTS)[:4]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    with LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"}}) as plain:
+        base = [o.token_ids for o in plain.generate(prompts, params)]
+    cfg = {"parallel": {"executor": "local"},
+           "speculative": {"method": "dspark", "draft_model": f"{ASSETS}/tiny-dspark", "num_tokens": 4,
+                           "schedule": "confidence"}}
+    with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
+        planner = PatternPlanner(llm.engine.planner, [4])
+        planner.min_rounds = 8
+        llm.engine.speculation.planner = planner
+        given, forgotten, observe, forget = [], {}, planner.observe, planner.forget
+
+        def watch_observe(raw, verified, accepted, seq_ids=None, offsets=None):
+            # (a sequence that finished in its step is None here: it learns nothing more)
+            running = [i for i, sid in enumerate(seq_ids) if sid is not None]
+            given.append((list(seq_ids), np.asarray(offsets), np.asarray(offsets)[running],
+                          planner.sequence_offsets([seq_ids[i] for i in running])))
+            observe(raw, verified, accepted, seq_ids, offsets)
+
+        def watch_forget(ids):
+            forgotten.update({i: planner.sequence_offsets([i])[0] for i in ids})
+            forget(ids)
+        planner.observe, planner.forget = watch_observe, watch_forget
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == base
+        assert planner.fitted and len(given) > 10 and all(len(ids) == len(d) for ids, d, _, _ in given)
+        for ids, _, chosen, now in given:  # in process each round comes back before its sequence's next is chosen
+            np.testing.assert_array_equal(chosen, now)
+        assert sum(None in ids for ids, *_ in given) >= 1  # the finishing step's rounds: no more learning for them
+        assert len(forgotten) == 4 and sum(d != 0 for d in forgotten.values()) >= 3
+        assert any(d.any() for _, d, _, _ in given) and not planner._seq
+        assert llm.engine.speculative_summary()["learn_failures"] == 0
+
+
+def test_a_failure_to_learn_from_a_step_loses_none_of_its_tokens():
+    """The planner's learning raising (a defect there, or a bad round) after the step's tokens were committed: the
+    requests still finish with plain decoding's output (raised, the events of the requests that step finished were
+    lost and generate waited for ever), and the failures are counted."""
+    from test_idle_drafter import PatternPlanner
+
+    prompts = read_prompts(DEFAULT_PROMPTS)[:3]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"}}) as plain:
+        base = [o.token_ids for o in plain.generate(prompts, params)]
+    cfg = {"parallel": {"executor": "local"},
+           "speculative": {"method": "dspark", "draft_model": f"{ASSETS}/tiny-dspark", "num_tokens": 3,
+                           "schedule": "confidence"}}
+    with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
+        planner = PatternPlanner(llm.engine.planner, [3])
+
+        def broken(*args, **kw):
+            raise RuntimeError("a defect in the planner's learning")
+        planner.observe = broken
+        llm.engine.speculation.planner = planner
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == base and all(o.finish_reason == "length" for o in outs)
+        assert llm.engine.speculative_summary()["learn_failures"] > 0
 
 
 def test_positions_drafted_too_rarely_are_extrapolated_not_zero():

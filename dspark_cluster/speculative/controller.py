@@ -81,6 +81,7 @@ class Speculation:
         self.wanted = True  # the run-time switch, as last set (a drafter restart restores it)
         self.drafter_version = 0  # the drafter version the planner's window is of
         self.num_drafted = self.num_verified = 0  # draft positions proposed / verified, over the run
+        self.learn_failures = 0  # steps whose verify outcomes the engine could not learn from (engine._learn)
         # DSpark, an idle drafter: a step that drafts nothing asks for no export; the target's workers keep
         # those rows (speculative/context.py ContextStash) and send them with the sequence's next export.
         # stale: sequences whose latest rows the workers hold (the drafter lacks them: no proposal for
@@ -258,10 +259,10 @@ class Speculation:
         raw = self.planner.raw_confidences([s.proposal for s in rows])
         for i, s in enumerate(rows):  # past its draft slots a position is not a candidate
             raw[i, keep[id(s)]:] = np.nan
-        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s,
-                                              [s.seq.seq_id for s in rows])
-        for s, conf, n in zip(rows, raw, lengths.tolist()):
-            s.draft_confidences = conf
+        offsets = self.planner.sequence_offsets([s.seq.seq_id for s in rows])
+        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s, offsets)
+        for s, conf, n, d in zip(rows, raw, lengths.tolist(), offsets.tolist()):
+            s.draft_confidences, s.draft_offset = conf, d
             keep[id(s)] = min(keep[id(s)], n)
 
     def step_fields(self, scheds, groups=None) -> list[dict]:
@@ -398,8 +399,11 @@ class Speculation:
         self.drafter.observe_rounds(round_tokens, [s.num_draft for s in spec], num_steps)
         drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
         if self.planner is not None and drafted:
+            # (a sequence aborted while this step ran is forgotten already: its offset is not learned again)
             self.planner.observe(np.stack([s.draft_confidences for s in drafted]), [s.num_draft for s in drafted],
-                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted], [s.seq.seq_id for s in drafted])
+                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted],
+                                 [None if s.seq.finished else s.seq.seq_id for s in drafted],
+                                 [s.draft_offset for s in drafted])
         return len(round_tokens), sum(round_tokens)
 
     def step_stats(self, scheds) -> dict:
@@ -466,6 +470,7 @@ class Speculation:
         out["schedule"] = self.cfg.speculative.schedule
         out["num_drafted_positions"] = self.num_drafted
         out["verified_share"] = self.num_verified / self.num_drafted if self.num_drafted else float("nan")
+        out["learn_failures"] = self.learn_failures  # steps whose verify outcomes could not be learned (engine._learn)
         if self.planner is not None:
             out["calibration"] = self.planner.summary()
         if self.drafter.versions is not None:  # online calibration (the calibrator's side: status())

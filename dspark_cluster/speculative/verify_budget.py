@@ -237,7 +237,8 @@ class VerifyPlanner:
     so the maps are fitted on what they are applied to (calibrated by construction) and the offsets add what
     the confidences miss: how hard this text is (a stream's level moved +-4 points over ~1,500 rounds, which a
     window's map and its drift offsets follow late; within a request it holds). The offset's Gaussian prior has
-    precision sequence_prior (10: best of 5-60 on two live recordings, BENCHMARKS.md session 35); None: off. It
+    precision sequence_prior (10: of 5-60 on two live recordings, the lowest ECE at two passes and within 0.3 of the
+    lowest at one, a Brier score within 0.4% of the best; BENCHMARKS.md session 35); None: off. It
     reads only finished rounds, so the choice of what to verify never reads a draft's tokens (lossless), and a'_j
     stays non-decreasing in c_j and non-increasing along j."""
 
@@ -369,19 +370,20 @@ class VerifyPlanner:
         """STS temperatures [K] (ones when STS is not fitted here): the figure reports have shown."""
         return self.params["sts"] if "sts" in self.params else np.ones(self.k)
 
-    def calibrated_survival(self, raw: np.ndarray, method: Optional[str] = None, seq_ids=None) -> np.ndarray:
+    def calibrated_survival(self, raw: np.ndarray, method: Optional[str] = None, offsets=None) -> np.ndarray:
         """raw confidences [..., K] -> calibrated survival [..., K] (by the method in force unless named); with
-        seq_ids [N] (raw [N, K]), each row's raw survival moved by its sequence's offset first (`_shifted`)."""
+        offsets [N] (raw [N, K]; `sequence_offsets` of the rows' sequences), each row's raw survival moved by its
+        offset first (`_shifted`)."""
         m = method or self.calibration
-        return survival(apply_calibration(m, self._shifted(raw, seq_ids), self.params[m]))
+        return survival(apply_calibration(m, self._shifted(raw, offsets), self.params[m]))
 
-    def _shifted(self, raw: np.ndarray, seq_ids) -> np.ndarray:
-        """raw [N, K] -> the confidences whose product is each row's raw survival moved by its sequence's offset in
+    def _shifted(self, raw: np.ndarray, offsets) -> np.ndarray:
+        """raw [N, K], offsets [N] -> the confidences whose product is each row's raw survival moved by its offset in
         logit space (what the methods are fitted on and applied to; NaN stays NaN). Not for n-gram drafts: their
         fits read the window's acceptance rates, not the rounds as kept (`_fit_confidences`)."""
-        if seq_ids is None or not self.sequence_prior or self.method == "ngram":
+        if offsets is None or not self.sequence_prior or self.method == "ngram":
             return raw
-        d = self.sequence_offsets(seq_ids)
+        d = np.asarray(offsets, dtype=np.float64)
         if not d.any():
             return raw
         a = survival(np.clip(raw, 1e-9, 1 - 1e-9))
@@ -394,7 +396,7 @@ class VerifyPlanner:
         sum(y - p) / (W + sequence_prior), y the positions' outcomes, p the survival predicted for them, W the
         sum of p(1 - p) over the sequence's positions so far (an online Newton step of a logistic offset with a
         Gaussian prior), within +-3."""
-        return np.array([self._seq.get(sid, (0.0,))[0] for sid in seq_ids], dtype=np.float64)
+        return np.array([self._seq.get(sid, (0.0,))[0] for sid in seq_ids], dtype=np.float64)  # (None: 0)
 
     def forget(self, seq_ids) -> None:
         """Finished sequences: their offsets go."""
@@ -529,10 +531,10 @@ class VerifyPlanner:
         return num_rows * (1 + a) / cost
 
     def verify_lengths(self, raw: np.ndarray, base_tokens: int, base_expected: float, draft_s: float,
-                       seq_ids=None) -> np.ndarray:
-        """raw [N, K] confidences of this step's drafts (of sequences seq_ids [N]) -> draft positions to verify
-        per row [N]."""
-        a = self.calibrated_survival(raw, seq_ids=seq_ids)
+                       offsets=None) -> np.ndarray:
+        """raw [N, K] confidences of this step's drafts (offsets [N]: their sequences' `sequence_offsets`, which
+        `observe` is given back with the rounds' outcomes) -> draft positions to verify per row [N]."""
+        a = self.calibrated_survival(raw, offsets=offsets)
         return choose_verify_lengths(a, base_tokens, base_expected, self.step_cost, draft_s)
 
     # ---- observations ----------------------------------------------------------------------
@@ -591,12 +593,16 @@ class VerifyPlanner:
         self._since_draft = 0
         self._last_draft_t = self.clock()
 
-    def observe(self, raw: np.ndarray, verified, accepted, seq_ids=None) -> None:
+    def observe(self, raw: np.ndarray, verified, accepted, seq_ids=None, offsets=None) -> None:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
-        the positions verified [N] and how many of them were accepted [N], of sequences seq_ids [N] (None:
-        no sequence offsets)."""
+        the positions verified [N] and how many of them were accepted [N], of sequences seq_ids [N] (None: no
+        sequence offsets; an entry None: a sequence that has finished, whose offset is not learned again), with
+        the offsets their verify lengths were chosen with (None: their offsets now; with async scheduling a
+        sequence's next round may have been chosen, and its offset moved, before this one's outcome came)."""
         verified, accepted = np.asarray(verified), np.asarray(accepted)
-        shifted = self._shifted(raw, seq_ids)  # (raw, where no offsets: the window keeps what the fits read)
+        if offsets is None and seq_ids is not None:
+            offsets = self.sequence_offsets(seq_ids)
+        shifted = self._shifted(raw, offsets)  # (raw, where no offsets: the window keeps what the fits read)
         if self.fitted:  # scored now with the fits in force (made on earlier rounds), every method on the same rounds
             a_raw = survival(raw)
             a_cal = np.stack([survival(apply_calibration(m, shifted, self.params[m])) for m in self.methods], axis=1)
@@ -622,7 +628,7 @@ class VerifyPlanner:
         resid = (np.where(scored & (j < accepted[:, None]), 1.0, 0.0) - p).sum(1)
         weight = (p * (1 - p)).sum(1)
         for sid, r, w, n in zip(seq_ids, resid.tolist(), weight.tolist(), scored.sum(1).tolist()):
-            if n:
+            if n and sid is not None:
                 st = self._seq.setdefault(sid, [0.0, 0.0])  # [offset, W]
                 st[1] += w
                 st[0] = min(max(st[0] + r / (st[1] + self.sequence_prior), -3.0), 3.0)
