@@ -351,10 +351,11 @@ class LLMEngine:
 
     def _learn(self, learn: list) -> None:
         """The verify outcomes of a processed step, to the drafter's statistics and the verify planner
-        (off the critical path: nothing the next step's input needs). A failure to learn is logged and counted
-        (`learn_failures` in the speculative summary), never raised: the step's tokens are out already (raised, the
-        events of the requests it finished were lost and their callers waited for ever), and what the planner
-        learns decides only how much is verified, never what is output."""
+        (off the critical path: nothing the next step's input needs). A failure to learn (the drafter's statistics,
+        the online calibration's trial of a version, the planner) is logged and counted (`learn_failures` in the
+        speculative summary, a gauge at /metrics), never raised: the step's tokens are out already (raised, the
+        events of the requests it finished were lost and their callers waited for ever), and what is learned here
+        decides only how much is drafted and verified, never what is output."""
         for rows, sampled, num_steps in learn:
             try:
                 self.speculation.observe(rows, sampled, num_steps)

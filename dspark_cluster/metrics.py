@@ -66,6 +66,8 @@ METRICS = _table(
      ("dspark_spec_verified_share", G, "Share of the drafted positions that the verify budget admitted, since the "
                                        "engine started"),
      ("dspark_spec_mean_accepted_length", G, "Tokens per verify round, since the engine started"),
+     ("dspark_spec_learn_failures", G, "Steps whose verify outcomes the drafter's statistics and the verify planner "
+                                       "could not learn from (logged; the steps' tokens stand), since the engine started"),
      ("dspark_drafter_version", G, "The drafter version serving (online calibration)"),
      ("dspark_drafter_live_tau", G, "Tokens per verify round of the serving drafter version over its last "
                                     "window_rounds"),
@@ -190,6 +192,7 @@ class EngineMetrics:
         w("dspark_spec_verify_budget", s.get("verify_budget") or 0)
         w("dspark_spec_verified_share", _finite(spec.get("verified_share")))
         w("dspark_spec_mean_accepted_length", _finite(spec.get("mean_accepted_length")))
+        w("dspark_spec_learn_failures", spec.get("learn_failures") or 0)
         versions = spec.get("drafter_versions") or {}
         w("dspark_drafter_version", versions.get("serving_version") or 0)
         w("dspark_drafter_live_tau", versions.get("live_tau") or 0)

@@ -214,9 +214,9 @@ def main():
         load = [open("/proc/loadavg").read().split()[:3]] if os.path.exists("/proc/loadavg") else []
         steps, observe, prompt = [], p.observe, [0]
         if args.rounds_out:  # every step's outcomes, as the planner saw them, the prompt and sequences they came from
-            p.observe = lambda raw, ver, acc, seq_ids=None: (
+            p.observe = lambda raw, ver, acc, seq_ids=None, offsets=None: (
                 steps.append((raw, ver, acc, prompt[0], np.full(len(raw), -1) if seq_ids is None else seq_ids)),
-                observe(raw, ver, acc, seq_ids))
+                observe(raw, ver, acc, seq_ids, offsets))
         for i in range(args.calib_requests):
             prompt[0] = i % len(held_out)
             llm.generate([calibration_prompt(held_out, i, args.calib_stream)], params)

@@ -244,16 +244,17 @@ def test_sequence_offsets_follow_each_sequences_own_difficulty():
     moved, plain = p.calibrated_survival(c, offsets=p.sequence_offsets([sid] * 200)), p.calibrated_survival(c)
     assert np.all(moved >= plain - 1e-12) and np.any(moved > plain)
     assert np.all(np.diff(moved, axis=1) <= 1e-12)  # still non-increasing along j
-    assert not p.sequence_offsets([10**6, None]).any()  # a sequence not seen, or finished: 0
+    assert not p.sequence_offsets([10**6]).any()  # a sequence not seen: 0
     p.forget([sid])
     assert p.sequence_offsets([sid])[0] == 0 and sid not in p._seq
     np.testing.assert_array_equal(q.calibrated_survival(c, offsets=np.ones(200)), q.calibrated_survival(c))  # off
     # the rounds are kept as moved by the offsets their lengths were chosen with (async scheduling: a sequence's
-    # offset may have moved since), and a finished sequence (None) learns nothing more
-    other = max(p._seq)
+    # offset may have moved since), and a sequence forgotten meanwhile learns nothing more
+    other, gone = sorted(p._seq)[-2:]
+    p.forget([gone])
     before = {i: list(st) for i, st in p._seq.items()}
     raw = rng.uniform(0.05, 0.95, size=(2, K))
-    p.observe(raw, np.array([K, K]), np.array([K, 0]), [other, None], np.array([0.5, -0.5]))
+    p.observe(raw, np.array([K, K]), np.array([K, 0]), [other, gone], np.array([0.5, -0.5]))
     for row, d in zip(list(p.window)[-2:], (0.5, -0.5)):
         a = np.cumprod(raw[0 if d > 0 else 1])
         np.testing.assert_allclose(survival(np.asarray(row[0])), 1 / (1 + np.exp(-(np.log(a / (1 - a)) + d))),
@@ -443,43 +444,61 @@ def test_greedy_identical_with_the_confidence_schedule(method, draft, tmp_path):
         assert f"dspark_spec_verify_budget {float(steps[-1]['verify_budget'])}" in prom
 
 
-def test_the_engine_learns_each_sequences_offset_and_gives_back_the_one_each_round_was_chosen_with():
-    """Every step drafts 4 (a fixed pattern: no timing decides): each round's outcome reaches the planner with its
-    sequence and the offset its verify length was chosen with (in process, the sequence's offset before the outcome
-    moves it); the sequences learn offsets of their own, and each goes when its sequence finishes. Greedy output is
-    plain decoding's."""
+def drafting_every_step(n: int, max_tokens: int, k: int, async_scheduling: bool = False):
+    """n bundled prompts, their greedy sampling params and plain decoding's outputs, and an in-process DSpark LLM whose
+    confidence planner drafts k positions every step and verifies them all (no timing decides): (prompts, params,
+    base, llm, planner)."""
     from test_idle_drafter import PatternPlanner
 
-    prompts = read_prompts(DEFAULT_PROMPTS)[:4]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = read_prompts(DEFAULT_PROMPTS)[:n]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     with LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"}}) as plain:
         base = [o.token_ids for o in plain.generate(prompts, params)]
-    cfg = {"parallel": {"executor": "local"},
-           "speculative": {"method": "dspark", "draft_model": f"{ASSETS}/tiny-dspark", "num_tokens": 4,
-                           "schedule": "confidence"}}
-    with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
-        planner = PatternPlanner(llm.engine.planner, [4])
+    llm = LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"},
+                                           "scheduler": {"async_scheduling": async_scheduling},
+                                           "speculative": {"method": "dspark", "draft_model": f"{ASSETS}/tiny-dspark",
+                                                           "num_tokens": k, "schedule": "confidence"}})
+    planner = llm.engine.speculation.planner = PatternPlanner(llm.engine.planner, [k])
+    return prompts, params, base, llm, planner
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_learns_each_sequences_offset_and_gives_back_the_one_each_round_was_chosen_with(async_scheduling):
+    """Every step drafts 4 (a fixed pattern: no timing decides): each round's outcome reaches the planner with its
+    sequence and the offset its verify length was chosen with; with async scheduling (Ray's default) a sequence's
+    next round is chosen before this one's outcome moves its offset, so some come back with an older one than the
+    sequence has then. The sequences learn offsets of their own, each goes when its sequence finishes (a round of
+    it that comes back after learns nothing), and greedy output is plain decoding's."""
+    prompts, params, base, llm, planner = drafting_every_step(4, 32, 4, async_scheduling)
+    with llm:
+        assert llm.engine.async_scheduling == async_scheduling
         planner.min_rounds = 8
-        llm.engine.speculation.planner = planner
-        given, forgotten, observe, forget = [], {}, planner.observe, planner.forget
+        chosen, given, forgotten = {}, [], {}
+        observe, forget, sequence_offsets = planner.observe, planner.forget, planner.sequence_offsets
+
+        def watch_offsets(ids):  # (called where a step's verify lengths are chosen)
+            d = sequence_offsets(ids)
+            chosen.setdefault("all", []).append(dict(zip(ids, d.tolist())))
+            return d
 
         def watch_observe(raw, verified, accepted, seq_ids=None, offsets=None):
-            # (a sequence that finished in its step is None here: it learns nothing more)
-            running = [i for i, sid in enumerate(seq_ids) if sid is not None]
-            given.append((list(seq_ids), np.asarray(offsets), np.asarray(offsets)[running],
-                          planner.sequence_offsets([seq_ids[i] for i in running])))
+            live = [i for i, sid in enumerate(seq_ids) if sid not in planner._forgotten]
+            given.append((list(seq_ids), np.asarray(offsets), np.asarray(offsets)[live],
+                          sequence_offsets([seq_ids[i] for i in live])))
             observe(raw, verified, accepted, seq_ids, offsets)
 
         def watch_forget(ids):
-            forgotten.update({i: planner.sequence_offsets([i])[0] for i in ids})
+            forgotten.update({i: sequence_offsets([i])[0] for i in ids})
             forget(ids)
-        planner.observe, planner.forget = watch_observe, watch_forget
+        planner.observe, planner.forget, planner.sequence_offsets = watch_observe, watch_forget, watch_offsets
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == base
         assert planner.fitted and len(given) > 10 and all(len(ids) == len(d) for ids, d, _, _ in given)
-        for ids, _, chosen, now in given:  # in process each round comes back before its sequence's next is chosen
-            np.testing.assert_array_equal(chosen, now)
-        assert sum(None in ids for ids, *_ in given) >= 1  # the finishing step's rounds: no more learning for them
+        # every offset given back is one the verify budget chose with
+        choices = {(sid, d) for c in chosen["all"] for sid, d in c.items()}
+        assert all((sid, d) in choices for ids, ds, _, _ in given for sid, d in zip(ids, ds.tolist()))
+        older = sum(not np.array_equal(then, now) for _, _, then, now in given)
+        assert older > 0 if async_scheduling else older == 0  # sync: each round comes back before the next is chosen
         assert len(forgotten) == 4 and sum(d != 0 for d in forgotten.values()) >= 3
         assert any(d.any() for _, d, _, _ in given) and not planner._seq
         assert llm.engine.speculative_summary()["learn_failures"] == 0
@@ -489,25 +508,18 @@ def test_a_failure_to_learn_from_a_step_loses_none_of_its_tokens():
     """The planner's learning raising (a defect there, or a bad round) after the step's tokens were committed: the
     requests still finish with plain decoding's output (raised, the events of the requests that step finished were
     lost and generate waited for ever), and the failures are counted."""
-    from test_idle_drafter import PatternPlanner
-
-    prompts = read_prompts(DEFAULT_PROMPTS)[:3]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(f"{ASSETS}/tiny-moe", config={"parallel": {"executor": "local"}}) as plain:
-        base = [o.token_ids for o in plain.generate(prompts, params)]
-    cfg = {"parallel": {"executor": "local"},
-           "speculative": {"method": "dspark", "draft_model": f"{ASSETS}/tiny-dspark", "num_tokens": 3,
-                           "schedule": "confidence"}}
-    with LLM(f"{ASSETS}/tiny-moe", config=cfg) as llm:
-        planner = PatternPlanner(llm.engine.planner, [3])
-
+    prompts, params, base, llm, planner = drafting_every_step(3, 16, 3)
+    with llm:
         def broken(*args, **kw):
             raise RuntimeError("a defect in the planner's learning")
         planner.observe = broken
-        llm.engine.speculation.planner = planner
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == base and all(o.finish_reason == "length" for o in outs)
-        assert llm.engine.speculative_summary()["learn_failures"] > 0
+        spec = llm.engine.speculative_summary()
+        assert spec["learn_failures"] > 0
+        metrics = ServerMetrics()  # what `dspark serve` exports at /metrics
+        metrics.set_stats({"speculative": spec})
+        assert f"dspark_spec_learn_failures {float(spec['learn_failures'])}" in generate_latest(metrics.registry).decode()
 
 
 def test_positions_drafted_too_rarely_are_extrapolated_not_zero():

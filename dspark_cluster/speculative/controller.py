@@ -399,10 +399,8 @@ class Speculation:
         self.drafter.observe_rounds(round_tokens, [s.num_draft for s in spec], num_steps)
         drafted = [s for s in rows if s.draft_confidences is not None and s.seq.seq_id in sampled]
         if self.planner is not None and drafted:
-            # (a sequence aborted while this step ran is forgotten already: its offset is not learned again)
             self.planner.observe(np.stack([s.draft_confidences for s in drafted]), [s.num_draft for s in drafted],
-                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted],
-                                 [None if s.seq.finished else s.seq.seq_id for s in drafted],
+                                 [len(sampled[s.seq.seq_id]) - 1 for s in drafted], [s.seq.seq_id for s in drafted],
                                  [s.draft_offset for s in drafted])
         return len(round_tokens), sum(round_tokens)
 

@@ -252,6 +252,9 @@ class VerifyPlanner:
         # finishes (`forget`)
         self.sequence_prior = sequence_prior
         self._seq: dict[int, list] = {}
+        # the latest sequences forgotten: a round of one still in flight when it finished (async scheduling, an abort)
+        # comes back after its `forget` and must not learn it an offset again
+        self._forgotten: dict[int, None] = {}
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
         self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
@@ -362,7 +365,7 @@ class VerifyPlanner:
         """Forget the window, the live record and every fit (a fresh start for a measurement), and
         optionally change the method in force and the compared ones."""
         self._set_methods(calibration or self.calibration, self.methods[1:] if compare is None else compare)
-        self.window.clear(), self.live.clear(), self._seq.clear()
+        self.window.clear(), self.live.clear(), self._seq.clear(), self._forgotten.clear()
         self.fitted, self.num_refits, self._since_fit, self._report_t = False, 0, 0, -math.inf
 
     @property
@@ -396,12 +399,15 @@ class VerifyPlanner:
         sum(y - p) / (W + sequence_prior), y the positions' outcomes, p the survival predicted for them, W the
         sum of p(1 - p) over the sequence's positions so far (an online Newton step of a logistic offset with a
         Gaussian prior), within +-3."""
-        return np.array([self._seq.get(sid, (0.0,))[0] for sid in seq_ids], dtype=np.float64)  # (None: 0)
+        return np.array([self._seq.get(sid, (0.0,))[0] for sid in seq_ids], dtype=np.float64)
 
     def forget(self, seq_ids) -> None:
-        """Finished sequences: their offsets go."""
+        """Finished sequences: their offsets go (and a round of theirs that comes back later learns nothing)."""
         for sid in seq_ids:
             self._seq.pop(sid, None)
+            self._forgotten[sid] = None
+        while len(self._forgotten) > 4096:
+            self._forgotten.pop(next(iter(self._forgotten)))
 
     # ---- choices ---------------------------------------------------------------------------
     def draft_len(self, num_rows: int) -> int:
@@ -596,8 +602,7 @@ class VerifyPlanner:
     def observe(self, raw: np.ndarray, verified, accepted, seq_ids=None, offsets=None) -> None:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
         the positions verified [N] and how many of them were accepted [N], of sequences seq_ids [N] (None: no
-        sequence offsets; an entry None: a sequence that has finished, whose offset is not learned again), with
-        the offsets their verify lengths were chosen with (None: their offsets now; with async scheduling a
+        sequence offsets; one forgotten meanwhile learns nothing), with the offsets their verify lengths were chosen with (None: their offsets now; with async scheduling a
         sequence's next round may have been chosen, and its offset moved, before this one's outcome came)."""
         verified, accepted = np.asarray(verified), np.asarray(accepted)
         if offsets is None and seq_ids is not None:
@@ -628,7 +633,7 @@ class VerifyPlanner:
         resid = (np.where(scored & (j < accepted[:, None]), 1.0, 0.0) - p).sum(1)
         weight = (p * (1 - p)).sum(1)
         for sid, r, w, n in zip(seq_ids, resid.tolist(), weight.tolist(), scored.sum(1).tolist()):
-            if n and sid is not None:
+            if n and sid not in self._forgotten:
                 st = self._seq.setdefault(sid, [0.0, 0.0])  # [offset, W]
                 st[1] += w
                 st[0] = min(max(st[0] + r / (st[1] + self.sequence_prior), -3.0), 3.0)
