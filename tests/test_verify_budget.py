@@ -519,7 +519,8 @@ def test_a_failure_to_learn_from_a_step_loses_none_of_its_tokens():
         assert spec["learn_failures"] > 0
         metrics = ServerMetrics()  # what `dspark serve` exports at /metrics
         metrics.set_stats({"speculative": spec})
-        assert f"dspark_spec_learn_failures {float(spec['learn_failures'])}" in generate_latest(metrics.registry).decode()
+        prom = generate_latest(metrics.registry).decode()
+        assert f"dspark_spec_learn_failures {float(spec['learn_failures'])}" in prom
 
 
 def test_positions_drafted_too_rarely_are_extrapolated_not_zero():

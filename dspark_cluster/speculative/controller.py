@@ -260,7 +260,8 @@ class Speculation:
         for i, s in enumerate(rows):  # past its draft slots a position is not a candidate
             raw[i, keep[id(s)]:] = np.nan
         offsets = self.planner.sequence_offsets([s.seq.seq_id for s in rows])
-        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s, offsets)
+        lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s,
+                                              offsets)
         for s, conf, n, d in zip(rows, raw, lengths.tolist(), offsets.tolist()):
             s.draft_confidences, s.draft_offset = conf, d
             keep[id(s)] = min(keep[id(s)], n)

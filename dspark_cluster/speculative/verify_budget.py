@@ -602,8 +602,9 @@ class VerifyPlanner:
     def observe(self, raw: np.ndarray, verified, accepted, seq_ids=None, offsets=None) -> None:
         """A step's verify outcomes: raw confidences [N, K] of all drafted positions (NaN past them),
         the positions verified [N] and how many of them were accepted [N], of sequences seq_ids [N] (None: no
-        sequence offsets; one forgotten meanwhile learns nothing), with the offsets their verify lengths were chosen with (None: their offsets now; with async scheduling a
-        sequence's next round may have been chosen, and its offset moved, before this one's outcome came)."""
+        sequence offsets; one forgotten meanwhile learns nothing), with the offsets their verify lengths were
+        chosen with (None: their offsets now; with async scheduling a sequence's next round may have been chosen,
+        and its offset moved, before this one's outcome came)."""
         verified, accepted = np.asarray(verified), np.asarray(accepted)
         if offsets is None and seq_ids is not None:
             offsets = self.sequence_offsets(seq_ids)
@@ -714,15 +715,14 @@ class VerifyPlanner:
         ver = np.array([x[2] for x in live])
         acc = np.array([x[3] for x in live])
         r4 = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
-        labels = self.methods
-        ece = {m: r4(ece_by_position(a_cal[:, i], ver, acc)) for i, m in enumerate(labels)}
+        ece = {m: r4(ece_by_position(a_cal[:, i], ver, acc)) for i, m in enumerate(self.methods)}
         return {"ece_before_by_position": r4(ece_by_position(a_raw, ver, acc)),
                 "ece_after_by_position": ece[self.calibration],
                 "ece_floor_by_position": r4(ece_by_position(a_cal[:, 0], ver, acc, floor=True)),
                 "rounds_by_position": [int((ver > j).sum()) for j in range(self.k)],
                 "ece_by_method": ece,
                 **({"ece_floor_by_method": {m: r4(ece_by_position(a_cal[:, i], ver, acc, floor=True))
-                                            for i, m in enumerate(labels)}} if floors else {}),
+                                            for i, m in enumerate(self.methods)}} if floors else {}),
                 "brier_by_method": {"raw": r4(brier_by_position(a_raw, ver, acc)),
                                     **{m: r4(brier_by_position(a_cal[:, i], ver, acc))
-                                       for i, m in enumerate(labels)}}}
+                                       for i, m in enumerate(self.methods)}}}
