@@ -15,11 +15,13 @@ import pytest
 from dspark_cluster import SamplingParams, load_config
 from dspark_cluster.cli import main
 from dspark_cluster.model.spec import load_spec
+from dspark_cluster.sequence import Sequence
 from dspark_cluster.simulate import SimOptions, get_device, load_catalog, simulate
 from dspark_cluster.simulate.cost_model import (Precision, StepShape, Topology, all_to_all_time, gemm_time,
                                                 step_time)
 from dspark_cluster.simulate.engine import SimEngine
 from dspark_cluster.simulate.hardware import Device
+from dspark_cluster.simulate.run import build
 from dspark_cluster.simulate.shapes import ModelShapes
 from dspark_cluster.simulate.traffic import Acceptance, SimRequest
 
@@ -378,6 +380,53 @@ def test_simulated_speculation_verifies_drafts_under_the_confidence_schedule(tmp
     assert first != pytest.approx(0.9, abs=1e-9) and abs(first - 0.9) < 0.2
     assert report["cost"]["tokens"]["drafted"] >= spec["num_verified"]
     assert report["simulation"]["time_by_term_s"]["drafter"] > 0
+
+
+def test_simulated_planner_learns_each_sequences_offset_as_the_engines_does(tmp_path, monkeypatch):
+    """acceptance.sequence_spread: each sequence's drafts survive more or less than their confidences say. The
+    simulator's planner chooses with each sequence's offset and learns it from that sequence's rounds, as the
+    engine's (Speculation.attach / observe / free): at a sequence's end the offset it learned follows the hidden one,
+    and the sequence is forgotten by both. Without the spread nothing is hidden and the offsets stay near 0."""
+    from dspark_cluster.speculative.verify_budget import VerifyPlanner
+
+    learned = {}  # seq_id -> (offset learned, hidden offset) when the sequence finished
+    forget = VerifyPlanner.forget
+
+    def recording(self, seq_ids):
+        for sid in seq_ids:
+            learned[sid] = (float(self.sequence_offsets([sid])[0]), engine.acceptance.offsets.get(sid, 0.0))
+        forget(self, seq_ids)
+
+    chosen_with = []  # the offsets each step's verify lengths were chosen with
+    verify_lengths = VerifyPlanner.verify_lengths
+
+    def choosing(self, raw, base_tokens, base_expected, draft_s, offsets=None):
+        chosen_with.append(offsets)
+        return verify_lengths(self, raw, base_tokens, base_expected, draft_s, offsets)
+
+    monkeypatch.setattr(VerifyPlanner, "forget", recording)
+    monkeypatch.setattr(VerifyPlanner, "verify_lengths", choosing)
+    cfg = load_config(None, [f"report.out_dir={tmp_path}", "workload.num_requests=24", "workload.output_len=[192,192]",
+                             "scheduler.max_num_seqs=2",  # a load where drafting pays on the simulated CPU
+                             "speculative.method=dspark", "speculative.draft_model=tiny-dspark",
+                             "speculative.num_tokens=4", "speculative.schedule=confidence"])
+    for spread in (1.0, 0.0):
+        learned.clear()
+        chosen_with.clear()
+        engine, reqs = build(cfg, SimOptions(hardware="cpu", acceptance={"survival": [0.9, 0.8, 0.7, 0.6],
+                                                                         "sequence_spread": spread}))
+        names = iter(range(len(reqs)))
+        seqs = engine.run(reqs, lambda r: Sequence(f"r{next(names)}", list(r.prompt_ids), len(r.prompt_ids),
+                                                   r.params, engine.spec.eos_token_ids))
+        assert len(seqs) == 24 and engine.tokens["drafted"] > 0
+        got, hidden = np.array([v[0] for v in learned.values()]), np.array([v[1] for v in learned.values()])
+        assert len(got) == 24 and not engine.planner._seq and not engine.acceptance.offsets  # all forgotten
+        assert chosen_with and all(d is not None for d in chosen_with)
+        if spread:
+            assert sum(bool(np.any(d)) for d in chosen_with) > len(chosen_with) / 2  # (0 until a sequence's first round)
+            assert hidden.std() > 0.5 and np.corrcoef(got, hidden)[0, 1] > 0.8, (got, hidden)
+        else:
+            assert not hidden.any() and np.abs(got).max() < 0.5, got
 
 
 def test_trace_with_shared_prefixes_hits_the_prefix_cache(tmp_path):

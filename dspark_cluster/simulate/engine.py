@@ -6,7 +6,9 @@ schedule every group, attach the proposals cut to the verify budget, run, update
 scheduler with the tokens, observe), with three stand-ins:
 - the executor: sampled tokens are one synthetic token per sample row plus the drafts accepted
   (drawn from the survival curve); the step takes `cost_model.step_time` seconds of virtual time;
-- the drafter: proposals of the reserved length with confidences drawn per row (`Acceptance`);
+- the drafter: proposals of the reserved length with confidences drawn per row (`Acceptance`; with
+  `acceptance.sequence_spread` each sequence's drafts survive more or less than their confidences say,
+  which the planner's sequence offsets learn as the engine's do);
 - the expert routing: token-expert counts drawn per layer (`ExpertTraffic`), spread over the
   current placement's replicas as the dispatch does.
 Why not the real LLMEngine with a simulated executor: the engine, the scheduler and the sequence
@@ -147,7 +149,8 @@ class SimEngine:
         if self.speculating:
             from .traffic import Acceptance
 
-            self.acceptance = Acceptance(survival, opts.acceptance.spread, opts.seed + 7)
+            self.acceptance = Acceptance(survival, opts.acceptance.spread, opts.seed + 7,
+                                         opts.acceptance.sequence_spread)
             if sp.schedule == "confidence":
                 # the simulated device's T(B), as the engine profiles its own at start-up
                 cap = max(1, min(sc.max_num_batched_tokens, sc.max_num_seqs * (1 + sp.num_tokens)))
@@ -254,11 +257,12 @@ class SimEngine:
         if not rows:
             return 0.0, {}
         k = max(s.num_lookahead for s in rows)
-        cond = self.acceptance.draw(len(rows), k)
+        conf = self.acceptance.draw(len(rows), k)
+        cond = self.acceptance.truth(conf, [s.seq.seq_id for s in rows])
         law, keep = {}, {}
         for i, s in enumerate(rows):
             n = s.num_lookahead
-            s.proposal = Proposal([self._token] * n, None, torch.from_numpy(cond[i, :n].astype(np.float32)))
+            s.proposal = Proposal([self._token] * n, None, torch.from_numpy(conf[i, :n].astype(np.float32)))
             law[id(s)] = cond[i]
             keep[id(s)] = n
         method = self.cfg.speculative.method
@@ -277,9 +281,11 @@ class SimEngine:
                 raw = self.planner.raw_confidences([s.proposal for s in vrows])
                 for i, s in enumerate(vrows):
                     raw[i, keep[id(s)]:] = np.nan
-                lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s)
-                for s, conf, n in zip(vrows, raw, lengths.tolist()):
-                    s.draft_confidences = conf
+                offsets = self.planner.sequence_offsets([s.seq.seq_id for s in vrows])  # as Speculation.attach
+                lengths = self.planner.verify_lengths(raw, sc.num_tokens, sum(s.samples for s in sc.scheduled), draft_s,
+                                                      offsets)
+                for s, c, n, d in zip(vrows, raw, lengths.tolist(), offsets.tolist()):
+                    s.draft_confidences, s.draft_offset = c, d
                     keep[id(s)] = min(keep[id(s)], n)
         for s in rows:
             if s.proposal is not None:
@@ -403,7 +409,8 @@ class SimEngine:
                     verified += len(s.proposal.tokens)
                     accepted += n_acc
                 if s.draft_confidences is not None:  # as the engine: a row the budget cut to 0 is an outcome too
-                    rounds.append((s.draft_confidences, len(s.proposal.tokens) if s.proposal is not None else 0, n_acc))
+                    rounds.append((s.draft_confidences, len(s.proposal.tokens) if s.proposal is not None else 0, n_acc,
+                                   s.seq.seq_id, s.draft_offset))
                     drafted += int(np.sum(~np.isnan(s.draft_confidences)))
                 elif s.proposal is not None:
                     drafted += len(s.proposal.tokens)
@@ -423,10 +430,15 @@ class SimEngine:
                     for rows in (self.held_rows, self.unread_rows):
                         rows.pop(seq.seq_id, None)
                     self.stale.discard(seq.seq_id)
+                    if self.planner is not None:  # as Speculation.free: its calibration offset goes
+                        self.planner.forget([seq.seq_id])
+                    if self.acceptance is not None:
+                        self.acceptance.forget([seq.seq_id])
                     self.finished.append(seq)
                 self.tokens["output"] += len(new)
             if self.planner is not None and rounds:
-                self.planner.observe(np.stack([r[0] for r in rounds]), [r[1] for r in rounds], [r[2] for r in rounds])
+                self.planner.observe(np.stack([r[0] for r in rounds]), [r[1] for r in rounds], [r[2] for r in rounds],
+                                     [r[3] for r in rounds], [r[4] for r in rounds])
         self.tokens["drafted"] += drafted
         self.tokens["accepted"] += accepted
         used = sum(g.blocks.num_used for g in self.schedulers)

@@ -137,9 +137,12 @@ class Acceptance:
     """Draft survival: survival[j] = P(drafts 1..j+1 are all accepted). Each verify row draws its own
     conditional acceptance per position, logit(c_j) + N(0, spread) (easy and hard continuations);
     the drafter's confidence is that probability (a calibrated drafter), and the row's drafts are
-    accepted up to the first failure."""
+    accepted up to the first failure. With sequence_spread, each sequence also carries an offset
+    N(0, sequence_spread) in logit space that its confidences do not show (`truth`): a sequence harder
+    or easier throughout than its drafts look, as live rounds are (the verify planner's sequence
+    offsets learn it)."""
 
-    def __init__(self, survival, spread: float = 0.5, seed: int = 0):
+    def __init__(self, survival, spread: float = 0.5, seed: int = 0, sequence_spread: float = 0.0):
         s = np.clip(np.asarray(survival, dtype=np.float64), 1e-4, 1 - 1e-4)
         if s.ndim != 1 or not len(s) or np.any(np.diff(s) > 1e-9):
             raise ConfigError(f"acceptance.survival: got {list(survival)}; expected a non-increasing list in (0, 1)")
@@ -148,13 +151,30 @@ class Acceptance:
         self.cond = np.clip(np.concatenate([[s[0]], s[1:] / s[:-1]]), 1e-4, 1 - 1e-4)
         self.logit = np.log(self.cond) - np.log1p(-self.cond)
         self.spread = spread
+        self.sequence_spread = sequence_spread
+        self.offsets: dict[int, float] = {}  # seq_id -> its hidden offset (drawn at its first round; `forget`)
         self.rng = np.random.default_rng(seed)
 
     def draw(self, num_rows: int, k: int) -> np.ndarray:
-        """[rows, k] conditional acceptance probabilities (past the curve: its last position's)."""
+        """[rows, k] conditional acceptance probabilities as the drafter's confidences read them (past the curve:
+        its last position's)."""
         idx = np.minimum(np.arange(k), len(self.logit) - 1)
         z = self.logit[idx][None, :] + self.spread * self.rng.standard_normal((num_rows, k))
         return 1.0 / (1.0 + np.exp(-z))
+
+    def truth(self, confidences: np.ndarray, seq_ids) -> np.ndarray:
+        """confidences [rows, k] (`draw`), seq_ids [rows] -> the rows' true conditional acceptances: each row's moved
+        by its sequence's offset in logit space (the confidences themselves where sequence_spread is 0)."""
+        if not self.sequence_spread:
+            return confidences
+        d = np.array([self.offsets.setdefault(sid, float(self.sequence_spread * self.rng.standard_normal()))
+                      for sid in seq_ids])
+        c = np.clip(confidences, 1e-9, 1 - 1e-9)
+        return 1.0 / (1.0 + np.exp(-(np.log(c) - np.log1p(-c) + d[:, None])))
+
+    def forget(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.offsets.pop(sid, None)
 
     def accepted(self, cond: np.ndarray, verified: np.ndarray) -> np.ndarray:
         """cond [rows, k], verified [rows] -> drafts accepted per row (the run of successes)."""
