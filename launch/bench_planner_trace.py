@@ -49,7 +49,7 @@ def run_load(llm, groups, params) -> tuple[float, list]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=sorted(DRAFTERS), default="dspark")
+    ap.add_argument("--method", choices=sorted(d for d, path in DRAFTERS.items() if path), default="dspark")
     ap.add_argument("--loads", default="1,8,8,8,32")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -52,7 +52,7 @@ from dspark_cluster.report import summarize  # noqa: E402
 from dspark_cluster.speculative.confidence import describe_params  # noqa: E402
 from dspark_cluster.workload import DEFAULT_PROMPTS, make_workload, read_prompts  # noqa: E402
 
-DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark"}
+DRAFTERS = {"draft_model": "tiny-draft", "dspark": "tiny-dspark", "ngram": None}  # (ngram: prompt lookup, no model)
 
 
 def config(args, method=None, k=0, schedule="static") -> dict:
@@ -63,8 +63,9 @@ def config(args, method=None, k=0, schedule="static") -> dict:
     if args.no_prefix_cache:  # the loads repeat their prompts: plain decoding would skip their prefill
         cfg["scheduler"]["prefix_caching"] = False
     if method is not None:
-        cfg["speculative"] = {"method": method, "draft_model": str(ASSETS_DIR / DRAFTERS[method]), "num_tokens": k,
-                              "schedule": schedule}
+        cfg["speculative"] = {"method": method, "num_tokens": k, "schedule": schedule}
+        if DRAFTERS[method]:
+            cfg["speculative"]["draft_model"] = str(ASSETS_DIR / DRAFTERS[method])
         if method == "dspark":
             cfg["speculative"]["draft_passes"] = getattr(args, "draft_passes", "auto")
     return cfg

@@ -20,7 +20,8 @@ verified (`bench_schedule.py --calib-draft-all verify`), the verify budget's own
 feedback: each step verifies what `choose_verify_lengths` admits on the survival of the fits in force, with a step
 time of 1 + BETA x (tokens - rows) decode steps and a drafter call of --budget-draft decode steps (batch 1 on this
 CPU: BETA ~0.13, draft ~1.1), the recorded outcomes cut to it (--full-every N: every N-th round verified in full
-instead); ECE is then read on the rounds the simulated budget verified, as live. --bins J: each variant's reliability table at position J (0-based;
+instead); ECE is then read on the rounds the simulated budget verified, as live, and what the budget's choices
+delivered is printed: tokens committed per decode step's time (plain decoding: 1). --bins J: each variant's reliability table at position J (0-based;
 the ECE's 10 equal-width bins: rounds, mean predicted survival, observed survival, and the bin's share of the ECE).
 --drift-parts N: each variant's mean predicted minus observed survival by position over N equal runs of the
 scored rounds (a level that moves with the stream). Each replay also prints the planner's observe time a step
@@ -58,12 +59,19 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     return name, kws[0], kws[1]
 
 
-def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[dict, tuple]:
+def drafter_of(path: str) -> str:
+    """The speculative method a recording is of: bench_schedule.py writes <name>.<drafter>.npz."""
+    method = os.path.basename(path).rsplit(".", 2)[-2] if path.endswith(".npz") else ""
+    return method if method in ("dspark", "draft_model", "ngram") else "dspark"
+
+
+def replay(rounds: dict, variant: str, budget: Optional[tuple] = None, method: str = "dspark") -> tuple[dict, tuple]:
     """The planner's calibration report after feeding it the recorded steps, with `variant` in force, and
     the scored rounds (survival predictions [R, K] by the variant, verified [R], accepted [R]). budget:
     (beta, drafter cost, full_every) to cut the recorded (uncensored) outcomes to what a verify budget would
     have verified given the fits in force (see --budget); the report's "verified_share" is then the share of
-    drafted positions verified."""
+    drafted positions verified. method: the drafter's (an n-gram drafter's confidences are the window's acceptance
+    rates, which its fits read as they are now)."""
     name, kw, planner_kw = parse_variant(variant)
     fit, apply = confidence.CALIBRATIONS[name]
     patched = dict(confidence.CALIBRATIONS)
@@ -71,9 +79,10 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
         if kw:  # the planner fits by name: the variant's keywords go in under the method's own name
             confidence.CALIBRATIONS[name] = (partial(fit, **kw), apply)
         conf, ver, acc, seqs = rounds["conf"], rounds["verified"], rounds["accepted"], sequence_ids(rounds)
-        planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), "dspark", calibration=name, compare=(),
+        planner = VerifyPlanner(conf.shape[1], StepCost([1], [1e-3]), method, calibration=name, compare=(),
                                 **planner_kw)
         start, verified, drafted, observe_s = 0, 0, 0, []
+        tokens, step_time = 0, 0.0  # with a budget: tokens the simulated steps committed, their time in decode steps
         for n in rounds["step_rows"].tolist():
             c, v, a, ids = conf[start : start + n], ver[start : start + n], acc[start : start + n], seqs[start : start + n]
             if budget is not None:
@@ -85,6 +94,8 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
                     lengths = np.where((start + np.arange(n)) % full_every == 0, v, lengths)
                 v = np.minimum(v, lengths)
                 a = np.minimum(a, v)
+                tokens += n + int(a.sum())
+                step_time += 1.0 + beta * int(v.sum()) + draft_s
             verified, drafted = verified + int(v.sum()), drafted + int((~np.isnan(c)).sum())
             t = time.perf_counter()
             planner.observe(c, v, a, ids)  # (scoring, refits and refreshes: the planner's work in the step loop)
@@ -94,6 +105,8 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None) -> tuple[
         preds = np.array([x[1][planner.methods.index(name)] for x in live])
         ver, acc = (np.array([x[i] for x in live]) for i in (2, 3))
         cost = {"observe_ms_mean": 1e3 * float(np.mean(observe_s)), "observe_ms_max": 1e3 * float(np.max(observe_s))}
+        if budget is not None:  # what the budget's choices delivered: tokens per decode step's time (plain: 1)
+            cost["tokens_per_decode_step"] = tokens / max(step_time, 1e-9)
         return ({**planner.calibration_report(floors=True), "verified_share": verified / max(drafted, 1), **cost},
                 (preds, ver, acc))
     finally:
@@ -219,14 +232,16 @@ def main():
                 print(f"  {v:28s} ECE % {pct(out[path][v]['ece'])} | floor % {pct(out[path][v]['floor'])} | "
                       f"Brier sum {sum(out[path][v]['brier']):.4f}", flush=True)
             else:
-                r, scored = replay(rounds, v, budget)
+                r, scored = replay(rounds, v, budget, drafter_of(path))
                 name = parse_variant(v)[0]
                 out[path][v] = {"ece": r["ece_by_method"][name], "floor": r["ece_floor_by_method"][name],
                                 "brier": r["brier_by_method"][name], "rounds_by_position": r["rounds_by_position"]}
                 if budget is not None:
                     out[path][v]["verified_share"] = r["verified_share"]
+                    out[path][v]["tokens_per_decode_step"] = r["tokens_per_decode_step"]
                     print(f"  {v + ' (budget)':28s} verified share of drafted positions {r['verified_share']:.2f}, "
-                          f"rounds by position {r['rounds_by_position']}")
+                          f"rounds by position {r['rounds_by_position']}, tokens per decode step's time "
+                          f"{r['tokens_per_decode_step']:.3f}")
                 elif i == 0:
                     print(f"  {'rounds':28s} {r['rounds_by_position']}")
                     print(f"  {'raw':28s} ECE % {pct(r['ece_before_by_position'])} | Brier sum "

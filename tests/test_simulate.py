@@ -423,7 +423,8 @@ def test_simulated_planner_learns_each_sequences_offset_as_the_engines_does(tmp_
         assert len(got) == 24 and not engine.planner._seq and not engine.acceptance.offsets  # all forgotten
         assert chosen_with and all(d is not None for d in chosen_with)
         if spread:
-            assert sum(bool(np.any(d)) for d in chosen_with) > len(chosen_with) / 2  # (0 until a sequence's first round)
+            # (0 until a sequence's first round)
+            assert sum(bool(np.any(d)) for d in chosen_with) > len(chosen_with) / 2
             assert hidden.std() > 0.5 and np.corrcoef(got, hidden)[0, 1] > 0.8, (got, hidden)
         else:
             assert not hidden.any() and np.abs(got).max() < 0.5, got

@@ -258,7 +258,8 @@ class VerifyPlanner:
         self._set_methods(calibration, compare)
         # a DSpark forward runs a block of k + 1 positions a row; a draft model's, one token a row
         self.draft_cost = DraftCost(shape=step_cost._profile, tokens_per_row=k + 1 if method == "dspark" else 1)
-        self.window = deque(maxlen=window)  # (raw confidences [K] NaN-padded, verified, accepted)
+        # (raw confidences [K] NaN-padded, moved by the round's sequence offset; verified; accepted; that offset)
+        self.window = deque(maxlen=window)
         # (raw a [K], calibrated a [M, K] by each of self.methods as predicted then, verified, accepted)
         self.live = deque(maxlen=20 * window)
         self.fitted = False
@@ -343,15 +344,18 @@ class VerifyPlanner:
         return (kept + 1.0) / (tried + 2.0)
 
     def _arrays(self, last: Optional[int] = None):
-        """The window's rounds (or its latest `last`) as (conf [R, K], verified [R], accepted [R])."""
+        """The window's rounds (or its latest `last`) as (conf [R, K], verified [R], accepted [R], offsets [R])."""
         start = 0 if last is None else max(0, len(self.window) - last)
         rows = list(itertools.islice(self.window, start, None))
-        return np.array([w[0] for w in rows]), np.array([w[1] for w in rows]), np.array([w[2] for w in rows])
+        return tuple(np.array([w[i] for w in rows]) for i in range(4))
 
-    def _fit_confidences(self, conf: np.ndarray) -> np.ndarray:
-        """What a fit reads as confidences: an n-gram drafter's are the window's acceptance rates (as they were
-        when each round ran), the others' their own."""
-        return np.where(np.isnan(conf), np.nan, self._rates[None, :]) if self.method == "ngram" else conf
+    def _fit_confidences(self, conf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """What a fit reads as confidences: an n-gram drafter's are the window's acceptance rates now (what its
+        next rounds' raw confidences are), each round's moved by its sequence's offset as then; the others' their
+        own as kept (moved already)."""
+        if self.method != "ngram":
+            return conf
+        return self._shifted(np.where(np.isnan(conf), np.nan, self._rates[None, :]), offsets)
 
     def _set_methods(self, calibration: str, compare) -> None:
         for m in (calibration, *compare):
@@ -382,9 +386,10 @@ class VerifyPlanner:
 
     def _shifted(self, raw: np.ndarray, offsets) -> np.ndarray:
         """raw [N, K], offsets [N] -> the confidences whose product is each row's raw survival moved by its offset in
-        logit space (what the methods are fitted on and applied to; NaN stays NaN). Not for n-gram drafts: their
-        fits read the window's acceptance rates, not the rounds as kept (`_fit_confidences`)."""
-        if offsets is None or not self.sequence_prior or self.method == "ngram":
+        logit space (what the methods are fitted on and applied to; NaN stays NaN). An n-gram drafter's raw
+        confidences are the same for every row (the window's acceptance rates): the offset is all a row has of
+        its own, the sequence's record (a text that repeats itself keeps its lookups right)."""
+        if offsets is None or not self.sequence_prior:
             return raw
         d = np.asarray(offsets, dtype=np.float64)
         if not d.any():
@@ -614,9 +619,10 @@ class VerifyPlanner:
             a_cal = np.stack([survival(apply_calibration(m, shifted, self.params[m])) for m in self.methods], axis=1)
             self.live.extend((a_raw[i], a_cal[i], int(verified[i]), int(accepted[i]))
                              for i in np.nonzero(verified)[0].tolist())
-            if seq_ids is not None and self.sequence_prior and self.method != "ngram":
+            if seq_ids is not None and self.sequence_prior:
                 self._observe_sequences(a_cal[:, 0], verified, accepted, seq_ids)
-        self.window.extend(zip(shifted, verified.tolist(), accepted.tolist()))
+        d = np.zeros(len(raw)) if offsets is None else np.asarray(offsets, dtype=np.float64)
+        self.window.extend(zip(shifted, verified.tolist(), accepted.tolist(), d.tolist()))
         self._since_fit += len(raw)
         self._since_refresh += len(raw)
         self._since_compare += len(raw)
@@ -647,8 +653,8 @@ class VerifyPlanner:
         methods = [m for m in self.methods if m in REFRESHES]
         if not methods:
             return
-        conf, ver, acc = self._arrays(DRIFT_ROUNDS)
-        conf = self._fit_confidences(conf)
+        conf, ver, acc, d = self._arrays(DRIFT_ROUNDS)
+        conf = self._fit_confidences(conf, d)
         for m in methods:  # (the draft length's mean survival stays the refit's: it reads the whole window)
             self.params[m] = REFRESHES[m](self.params[m], conf, ver, acc)
 
@@ -662,9 +668,9 @@ class VerifyPlanner:
         self._memo.clear()
 
     def refit(self) -> None:
-        conf, ver, acc = self._arrays()
+        conf, ver, acc, d = self._arrays()
         self._rates = self._position_rates(ver, acc)
-        conf = self._fit_confidences(conf)
+        conf = self._fit_confidences(conf, d)
         # the compared methods (reports only) at most every compare_refit_every rounds: STS's grid is most of a
         # refit's time (~14 of ~21 ms at 4000 rounds), and a refit holds up the step loop it runs in
         compare = not self.fitted or self._since_compare >= self.compare_refit_every
