@@ -21,7 +21,8 @@ feedback: each step verifies what `choose_verify_lengths` admits on the survival
 time of 1 + BETA x (tokens - rows) decode steps and a drafter call of --budget-draft decode steps (batch 1 on this
 CPU: BETA ~0.13, draft ~1.1), the recorded outcomes cut to it (--full-every N: every N-th round verified in full
 instead); ECE is then read on the rounds the simulated budget verified, as live, and what the budget's choices
-delivered is printed: tokens committed per decode step's time (plain decoding: 1). --bins J: each variant's reliability table at position J (0-based;
+delivered is printed: tokens committed per decode step's time (plain decoding: 1).
+--bins J: each variant's reliability table at position J (0-based;
 the ECE's 10 equal-width bins: rounds, mean predicted survival, observed survival, and the bin's share of the ECE).
 --drift-parts N: each variant's mean predicted minus observed survival by position over N equal runs of the
 scored rounds (a level that moves with the stream). Each replay also prints the planner's observe time a step
@@ -85,6 +86,8 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None, method: s
         tokens, step_time = 0, 0.0  # with a budget: tokens the simulated steps committed, their time in decode steps
         for n in rounds["step_rows"].tolist():
             c, v, a, ids = conf[start : start + n], ver[start : start + n], acc[start : start + n], seqs[start : start + n]
+            if method == "ngram":  # its raw confidences are the planner's rates of the moment: this planner's
+                c = np.where(np.isnan(c), np.nan, np.clip(planner._rates, 1e-4, 1 - 1e-4)[None, :])
             if budget is not None:
                 beta, draft_s, full_every = budget
                 lengths = choose_verify_lengths(planner.calibrated_survival(c, offsets=planner.sequence_offsets(ids)),

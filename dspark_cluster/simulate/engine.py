@@ -298,6 +298,13 @@ class SimEngine:
         self._draft = (len(rows), per_forward, forwards)
         return draft_s, law
 
+    def _forget(self, seq_ids: list) -> None:
+        """Sequences that ended: their calibration offsets go (as Speculation.free), and their hidden ones."""
+        if seq_ids and self.planner is not None:
+            self.planner.forget(seq_ids)
+        if seq_ids and self.acceptance is not None:
+            self.acceptance.forget(seq_ids)
+
     def _export_context(self, scheds, asked: set) -> int:
         """As Speculation.step_fields with the workers' ContextStash: a step that drafts exports its
         rows (each stale sequence's kept rows first), one that drafts nothing keeps them (the latest
@@ -372,6 +379,7 @@ class SimEngine:
         for sc in scheds:
             for seq in sc.finished:  # ended by the scheduler (the pool cannot hold it)
                 seq.finish_time = self.now
+            self._forget([seq.seq_id for seq in sc.finished])
         if not any(sc.scheduled for sc in scheds):
             return False
         self._draft = (0, 0, 0)
@@ -419,6 +427,7 @@ class SimEngine:
                 self.schedule_record.append((self.num_steps,
                                              [(s.seq.request_id, s.num_new_tokens) for s in sc.scheduled],
                                              [q.request_id for q in sc.preempted]))
+            ended = []
             for seq, new in g.update(sc.scheduled, sampled):
                 # the scheduler stamped these with the wall clock: the virtual one instead
                 if len(new) == 1:
@@ -430,15 +439,13 @@ class SimEngine:
                     for rows in (self.held_rows, self.unread_rows):
                         rows.pop(seq.seq_id, None)
                     self.stale.discard(seq.seq_id)
-                    if self.planner is not None:  # as Speculation.free: its calibration offset goes
-                        self.planner.forget([seq.seq_id])
-                    if self.acceptance is not None:
-                        self.acceptance.forget([seq.seq_id])
+                    ended.append(seq.seq_id)
                     self.finished.append(seq)
                 self.tokens["output"] += len(new)
             if self.planner is not None and rounds:
                 self.planner.observe(np.stack([r[0] for r in rounds]), [r[1] for r in rounds], [r[2] for r in rounds],
                                      [r[3] for r in rounds], [r[4] for r in rounds])
+            self._forget(ended)  # after their last rounds are observed, as the engine frees after it learns
         self.tokens["drafted"] += drafted
         self.tokens["accepted"] += accepted
         used = sum(g.blocks.num_used for g in self.schedulers)

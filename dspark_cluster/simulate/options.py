@@ -32,7 +32,8 @@ class AcceptanceOptions(_Section):
     report: Optional[str] = None  # a real run's report.json: its summary.speculative.acceptance_by_position
     spread: float = Field(0.5, ge=0)  # per-row logit noise: rows differ in how predictable they are
     # per-sequence logit offset the drafter's confidence does not see: a sequence easier or harder throughout than
-    # its drafts look (what the verify planner's sequence offsets learn); 0: every sequence as its drafts look
+    # its drafts look (what the verify planner's sequence offsets learn); 0: every sequence as its drafts look.
+    # (Both spreads move the mean survival off the curve: an average in logit space is not one in probability)
     sequence_spread: float = Field(0.0, ge=0)
 
 

@@ -140,7 +140,8 @@ class Acceptance:
     accepted up to the first failure. With sequence_spread, each sequence also carries an offset
     N(0, sequence_spread) in logit space that its confidences do not show (`truth`): a sequence harder
     or easier throughout than its drafts look, as live rounds are (the verify planner's sequence
-    offsets learn it)."""
+    offsets learn it). Either noise moves the mean survival off `survival` (an average in logit space is not one
+    in probability): the curve is the drafter's typical row, not the stream's mean."""
 
     def __init__(self, survival, spread: float = 0.5, seed: int = 0, sequence_spread: float = 0.0):
         s = np.clip(np.asarray(survival, dtype=np.float64), 1e-4, 1 - 1e-4)
@@ -167,8 +168,10 @@ class Acceptance:
         by its sequence's offset in logit space (the confidences themselves where sequence_spread is 0)."""
         if not self.sequence_spread:
             return confidences
-        d = np.array([self.offsets.setdefault(sid, float(self.sequence_spread * self.rng.standard_normal()))
-                      for sid in seq_ids])
+        for sid in seq_ids:
+            if sid not in self.offsets:  # drawn at the sequence's first round
+                self.offsets[sid] = float(self.sequence_spread * self.rng.standard_normal())
+        d = np.array([self.offsets[sid] for sid in seq_ids])
         c = np.clip(confidences, 1e-9, 1 - 1e-9)
         return 1.0 / (1.0 + np.exp(-(np.log(c) - np.log1p(-c) + d[:, None])))
 

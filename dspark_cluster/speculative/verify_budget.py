@@ -613,7 +613,8 @@ class VerifyPlanner:
         verified, accepted = np.asarray(verified), np.asarray(accepted)
         if offsets is None and seq_ids is not None:
             offsets = self.sequence_offsets(seq_ids)
-        shifted = self._shifted(raw, offsets)  # (raw, where no offsets: the window keeps what the fits read)
+        # (raw where there are no offsets; the window keeps it with the offset: an n-gram fit moves the current rates)
+        shifted = self._shifted(raw, offsets)
         if self.fitted:  # scored now with the fits in force (made on earlier rounds), every method on the same rounds
             a_raw = survival(raw)
             a_cal = np.stack([survival(apply_calibration(m, shifted, self.params[m])) for m in self.methods], axis=1)
