@@ -58,7 +58,7 @@ class ModelConfig(_Section):
     # shows that fp8 matmuls pay; fp8 (keep the weights in fp8) is refused until it exists
     weights: Literal["auto", "dequantize", "fp8"] = "auto"
     # steps through torch.compile, padded to token buckets (CUDA graphs on CUDA); auto: on
-    # for CUDA, off on CPU (model/compiled.py says why)
+    # for CUDA (eager where its compile fails), off on CPU (model/compiled.py says why)
     compile: Switch = "auto"
 
     @model_validator(mode="after")

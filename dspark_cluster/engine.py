@@ -114,7 +114,7 @@ class LLMEngine:
         self.num_blocks = self.executor.num_blocks
         self.max_model_len = sc.max_model_len or self.spec.max_position_embeddings
         # the token counts a compiled step is padded to on the workers (model.compile), or None
-        device = (self.executor.reports or [{}])[0].get("device", "cpu")
+        device = (self.executor.reports or [{"device": getattr(self.executor, "device", "cpu")}])[0]["device"]
         self.compile_buckets = compile_buckets(cfg) if resolve_compile(cfg.model.compile, device) else None
         # one scheduler and KV pool per data-parallel group; each group runs its own batch, and the
         # groups meet in the expert-parallel all-to-all

@@ -19,6 +19,7 @@ the engine already read, so no worker re-reads or re-validates the whole config.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,8 @@ from .model.spec import ModelSpec
 from .step import StepOutput
 from .step_builder import memory_profile_steps
 from .step_exec import execute_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,15 @@ class Worker:
         if resolve_compile(self.cfg.model.compile, self.device):
             captures = ((), tuple(self.cfg.export_layers)) if self.cfg.export_layers else ((),)
             self.compiled = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
-            self.compiled.warm_up()
+            try:
+                self.compiled.warm_up()
+            except Exception as e:  # (inductor's errors: no compiler on this host, an op it cannot lower or capture)
+                if self.cfg.model.compile == "on":
+                    raise
+                # auto: eager steps (the engine still pads expert parallelism's capacity to the buckets: generous only)
+                log.warning("model.compile auto: the steps did not compile on %s (%s: %s); they run eager",
+                            self.device, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.compiled = None
         freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)
 

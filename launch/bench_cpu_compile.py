@@ -1,10 +1,10 @@
 """model.compile on the CPU against eager, in the LLM (issue 27; BENCHMARKS.md, session 34): the probes behind its
 "measured again" paragraph.
 
-    python launch/bench_cpu_compile.py tpot [--rounds 3]
-        batch-1 TPOT (`bench_step.llm_tpot`: 128-token prompt, 128 greedy tokens, median of 5), model.compile off and
-        on alternated in one process, the order rotating each round; and each engine's start-up seconds
-    python launch/bench_cpu_compile.py serve [--rounds 4] [--workloads 0,0] [--warm-up 8]
+    python launch/bench_cpu_compile.py tpot [--rounds 3] [--batch 1] [--modes off,on]
+        TPOT (`bench_step.llm_tpot`: `batch` 128-token prompts, 128 greedy tokens, median of 5), two model.compile
+        settings alternated in one process, the order rotating each round; and each engine's start-up seconds
+    python launch/bench_cpu_compile.py serve [--rounds 4] [--workloads 0,0] [--warm-up 8] [--modes off,on]
         a batch of 64 requests (prompts of 8-256 tokens, 8-256 greedy tokens, workload seed s) run one after another
         in one engine, per compile mode, one process per (round, mode), the order rotating: output tok/s and minor
         page faults of each run (the first run of a fresh engine against a repeat; `--workloads 0,1,0,1
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="tpot: 3, serve: 4")
     ap.add_argument("--workloads", default="0,0", help="serve: workload seeds run in turn in each engine")
     ap.add_argument("--warm-up", type=int, default=8, help="serve: requests of the first workload run first")
+    ap.add_argument("--modes", default="off,on", help="the two model.compile settings compared (e.g. off,auto)")
+    ap.add_argument("--batch", type=int, default=1, help="tpot: sequences decoding together")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # (serve: one engine, this process)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -81,13 +83,14 @@ def main() -> None:
         print(json.dumps(serve_runs(args.mode, seeds, args.warm_up)))
         return
     rounds = args.rounds or (3 if args.what == "tpot" else 4)
-    res = {"off": [], "on": []}
+    a, b = args.modes.split(",")
+    res = {a: [], b: []}
     for r in range(rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in ((a, b) if r % 2 == 0 else (b, a)):
             if args.what == "tpot":
                 from bench_step import llm_tpot
 
-                o = llm_tpot(MODEL, mode)
+                o = llm_tpot(MODEL, mode, batch=args.batch)
                 res[mode].append({"tpot_ms": o["tpot_ms"], "start_s": o["start_s"]})
                 print(f"round {r} compile {mode}: TPOT {o['tpot_ms']:.3f} ms, start-up {o['start_s']:.1f} s",
                       flush=True)
@@ -100,12 +103,12 @@ def main() -> None:
                     f"seed {x['seed']} {x['tok_s']:.0f} tok/s {x['faults']} faults" for x in runs), flush=True)
     if args.what == "tpot":
         med = {m: statistics.median(x["tpot_ms"] for x in v) for m, v in res.items()}
-        print(f"TPOT median: off {med['off']:.3f} ms, on {med['on']:.3f} ms ({med['on'] / med['off']:.3f}x)")
+        print(f"TPOT median (batch {args.batch}): {a} {med[a]:.3f} ms, {b} {med[b]:.3f} ms ({med[b] / med[a]:.3f}x)")
     else:
         for i in range(len(seeds)):
             med = {m: statistics.median(x[i]["tok_s"] for x in v) for m, v in res.items()}
-            print(f"run {i} (seed {seeds[i]}): median off {med['off']:.0f}, on {med['on']:.0f} tok/s "
-                  f"({med['on'] / med['off']:.3f}x)")
+            print(f"run {i} (seed {seeds[i]}): median {a} {med[a]:.0f}, {b} {med[b]:.0f} tok/s "
+                  f"({med[b] / med[a]:.3f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

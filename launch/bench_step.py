@@ -1,7 +1,7 @@
 """The decode step, counted and timed in process (issue 27): tensor operations and host
 synchronisations per layer, the forward's time at batch 1 and 64 (and of a verify step: 7 new tokens a
 sequence, at 1 and 8 sequences; and of prompt steps: 8 prompts of 128 tokens, one of 512), and the LLM's TPOT at batch 1
-with model.compile off and on (where the tree has it), with the compile warm-up.
+with the tree's default config and with model.compile off and on (where the tree has it), with the compile warm-up.
 
     python launch/bench_step.py [--model PATH] [--json OUT]
     python launch/bench_step.py --gemm      # only: one linear's time by rows and dtype, torch's and oneDNN's
@@ -104,8 +104,12 @@ def compiled_forward(model, runner, batch: int, context: int, block_size: int = 
     return run
 
 
-def compiled_rows(path: str, spec, steps: int) -> dict:
-    """Compiled against eager forwards of the same steps, one model (where the tree has `CompiledSteps`)."""
+COMPILED_ROWS = ((1, 1), (64, 1), (1, 7), (8, 7), (64, 7), (1, 128))
+
+
+def compiled_rows(path: str, spec, steps: int, rows=COMPILED_ROWS) -> dict:
+    """Compiled against eager forwards of the same steps (rows: (batch, new tokens a sequence)), one model (where the
+    tree has `CompiledSteps`)."""
     try:
         from dspark_cluster.model.compiled import CompiledSteps, step_buckets
     except ImportError:
@@ -115,7 +119,7 @@ def compiled_rows(path: str, spec, steps: int) -> dict:
     runner = CompiledSteps(model, step_buckets(512), "cpu")
     runner.warm_up()
     out = {}
-    for batch, query in ((1, 1), (64, 1), (1, 7), (8, 7), (64, 7), (1, 128)):
+    for batch, query in rows:
         key = f"b{batch}" if query == 1 else f"verify_b{batch}_q{query}" if query < 128 else \
             f"prefill_b{batch}_q{query}"
         n = steps if batch * query < 8 else steps // 4 if batch * query <= 64 else steps // 10
@@ -138,7 +142,9 @@ def timed(fn, n: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def llm_tpot(path: str, compile_mode, repeats: int = 5) -> dict:
+def llm_tpot(path: str, compile_mode, repeats: int = 5, batch: int = 1) -> dict:
+    """The LLM's TPOT (ms) decoding `batch` 128-token prompts together, 128 greedy tokens each, median of `repeats`
+    batches (each batch's median request)."""
     from dspark_cluster import LLM, SamplingParams
 
     model = {"dtype": "float32"} | ({"compile": compile_mode} if compile_mode else {})
@@ -146,10 +152,10 @@ def llm_tpot(path: str, compile_mode, repeats: int = 5) -> dict:
     llm = LLM(path, config={"model": model, "parallel": {"executor": "local", "threads_per_worker": 1}})
     start_s = time.perf_counter() - t0
     try:
-        prompt = list(range(5, 133))
-        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        tpots = [llm.generate([prompt], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))[0]
-                 .metrics["tpot_s"] * 1e3 for _ in range(repeats)]
+        prompts = [list(range(5 + i, 133 + i)) for i in range(batch)]
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        tpots = [statistics.median(o.metrics["tpot_s"] * 1e3 for o in llm.generate(
+            prompts, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))) for _ in range(repeats)]
         out = {"tpot_ms": statistics.median(tpots), "raw": tpots, "start_s": start_s}
         worker = getattr(llm.engine.executor, "worker", None)
         compiled = getattr(worker, "compiled", None)
@@ -224,6 +230,8 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true", help="only one linear's time by rows and dtype")
     ap.add_argument("--experts", action="store_true", help="only a MoE layer's experts by rows a slot")
     ap.add_argument("--compiled", action="store_true", help="only: compiled against eager forwards of the same steps")
+    ap.add_argument("--rows", default=None, help="--compiled: the steps, as batch x new tokens a sequence "
+                    "(e.g. 1x1,2x1,4x1,8x1,16x1,1x5); default " + ",".join(f"{b}x{q}" for b, q in COMPILED_ROWS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -238,7 +246,8 @@ def main() -> None:
         return
     spec = load_spec(args.model, "float32")
     if args.compiled:
-        res = compiled_rows(args.model, spec, args.steps)
+        rows = COMPILED_ROWS if args.rows is None else [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]
+        res = compiled_rows(args.model, spec, args.steps, rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
@@ -258,6 +267,8 @@ def main() -> None:
               f"({sum(c.ops.values()) / spec.num_layers:.1f} per layer; {meta_ops} of them the metadata's), "
               f"{c.syncs} host syncs", flush=True)
     has_compile = "compile" in Config.model_fields["model"].annotation.model_fields
+    res["tpot_default"] = llm_tpot(args.model, None)  # the tree's default (model.compile auto where it has it)
+    print(f"LLM TPOT, the default config {res['tpot_default']['tpot_ms']:.3f} ms", flush=True)
     res["tpot_eager"] = llm_tpot(args.model, "off" if has_compile else None)
     print(f"LLM TPOT eager {res['tpot_eager']['tpot_ms']:.3f} ms", flush=True)
     if has_compile:

@@ -304,6 +304,46 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
     assert stats["compile_steps"] > 30  # the decode steps ran compiled
 
 
+def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, caplog):
+    """model.compile auto: on for CUDA, off on a CPU (BENCHMARKS.md, session 37). Where auto compiles and inductor
+    cannot build (its C++ compiler missing: a real build failure), the worker serves eager with a warning, greedy
+    tokens as eager's; `on` raises. (Auto compiles on CUDA only: here the policy is made to compile on this CPU.)"""
+    import logging
+
+    import dspark_cluster.engine
+    import dspark_cluster.worker
+    import torch._inductor.config as inductor_config
+    from dspark_cluster import LLM, SamplingParams
+    from dspark_cluster.model import compiled
+
+    assert compiled.resolve_compile("auto", torch.device("cuda", 0)) and not compiled.resolve_compile("auto", "cpu")
+    assert compiled.resolve_compile("on", "cpu") and not compiled.resolve_compile("off", "cuda")
+    prompts, params = [[5, 9, 2, 7, 1], [11, 3, 8]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    cfg = {"model": {"dtype": "float32", "compile": "off"}, "scheduler": {"max_num_seqs": 2}}
+    llm = LLM(str(TINY_MOE), config=cfg)
+    try:
+        eager = [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+
+    def compiles_here(setting, device):  # auto as on CUDA
+        return setting in ("auto", "on")
+    for module in (dspark_cluster.worker, dspark_cluster.engine):
+        monkeypatch.setattr(module, "resolve_compile", compiles_here)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # (a cached graph would need no compiler)
+    with caplog.at_level(logging.WARNING, logger="dspark_cluster.worker"):
+        llm = LLM(str(TINY_MOE), config={**cfg, "model": {"dtype": "float32", "compile": "auto"}})
+    try:
+        assert llm.engine.executor.worker.compiled is None and llm.engine.compile_buckets == [1, 2]
+        assert "did not compile" in caplog.text and "C++ compiler" in caplog.text
+        assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+    finally:
+        llm.shutdown()
+    with pytest.raises(Exception, match="C\\+\\+ compiler"):
+        LLM(str(TINY_MOE), config={**cfg, "model": {"dtype": "float32", "compile": "on"}})
+
+
 @pytest.mark.parametrize("arch", ["tiny-moe", "qwen3_moe"])
 def test_a_compiled_step_of_any_composition_computes_eagers_states_and_kv(arch, checkpoint):
     """One step of prompt chunks, verify rows and decodes (several attention batches), padded to its token bucket:
