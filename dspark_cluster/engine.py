@@ -519,10 +519,12 @@ class LLMEngine:
     def compile_summary(self) -> Optional[dict]:
         """model.compile over the target's ranks, from their reports as last read (None: off): the buckets, the
         warm-up's seconds (the slowest rank's) and graphs, and what was compiled or recorded after it (issue 27's
-        goal: nothing)."""
-        ranks = [d["compile"] for d in (self.meter.reports or ([], []))[0] if d.get("compile")]
+        goal: nothing); {"error": why} where the steps run eager under auto because their compile failed."""
+        reports = (self.meter.reports or ([], []))[0]
+        ranks = [d["compile"] for d in reports if d.get("compile")]
         if not ranks:
-            return None
+            errors = [d["compile_error"] for d in reports if d.get("compile_error")]
+            return {"error": errors[0]} if errors else None
 
         def total(key):
             values = [r.get(key) for r in ranks]

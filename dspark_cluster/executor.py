@@ -95,7 +95,8 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
                        "drafter_kv": report.get("drafter_kv_bytes", 0)},
             # that drafter's start-up profile: rows -> seconds of a drafting call (the verify planner's prior)
             "drafter_profile": report.get("drafter_profile"),
-            "compile": report.get("compile")}  # model.compile's stats on this rank (None: off)
+            "compile": report.get("compile"),  # model.compile's stats on this rank (None: off)
+            "compile_error": report.get("compile_error")}  # why its steps run eager under auto (None: they did not fail)
 
 
 def resolve_for_executor(cfg: Config) -> Config:

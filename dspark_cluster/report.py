@@ -130,7 +130,9 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
     if "balancedness_mean" in s:
         rows.append(("expert balancedness (window)", f"{_num(s['balancedness_mean'], 1, '.3f')}, {s.get('rebalances', 0)} rebalances"))
     comp = s.get("compile")
-    if comp:
+    if comp and "error" in comp:
+        rows.append(("model.compile", f"eager: the compile failed ({comp['error']})"))
+    elif comp:
         cuda, verify = comp.get("cuda_graphs_after_warm_up"), comp.get("compiled_verify_steps")
         rows.append(("model.compile", f"{len(comp['buckets'])} buckets, warm-up {_num(comp['warm_up_s'], 1, '.1f')} s "
                      f"({comp['warm_up_graphs']} graphs); after it {comp['recompiles_after_warm_up']} recompiles"

@@ -128,6 +128,7 @@ class Worker:
         self.num_blocks = 0
         self.reserved_bytes = 0  # what the KV plan left its largest steps (`activation_reserve`)
         self.compiled = None  # model.compile's step runner, made with the KV pool
+        self.compile_error = None  # why the steps run eager under model.compile auto, where their compile failed
         self.migration, self.migration_version = None, None
         self.peak_staging_bytes = 0  # the most expert-migration staging this rank has held
         self._prev_sampled: Optional[torch.Tensor] = None
@@ -203,15 +204,17 @@ class Worker:
         # all-to-all from the bucket a step is padded to (LLMEngine.compile_buckets)
         if resolve_compile(self.cfg.model.compile, self.device):
             captures = ((), tuple(self.cfg.export_layers)) if self.cfg.export_layers else ((),)
-            self.compiled = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
             try:
+                self.compiled = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
                 self.compiled.warm_up()
-            except Exception as e:  # (inductor's errors: no compiler on this host, an op it cannot lower or capture)
-                if self.cfg.model.compile == "on":
+            except torch._dynamo.exc.TorchDynamoException as e:  # (inductor's too: no compiler here, an op it cannot
+                # lower). auto on one rank: eager steps. Not across ranks: the warm-up's steps run the collectives,
+                # so a rank that stops compiling would leave its peers waiting in one, or serve other shapes than theirs
+                if self.cfg.model.compile == "on" or self.world_size > 1:
                     raise
-                # auto: eager steps (the engine still pads expert parallelism's capacity to the buckets: generous only)
-                log.warning("model.compile auto: the steps did not compile on %s (%s: %s); they run eager",
-                            self.device, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("model.compile auto: the steps did not compile on %s (%s); they run eager", self.device,
+                            self.compile_error)
                 self.compiled = None
         freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)
@@ -277,6 +280,7 @@ class Worker:
             "experts": [m.expert_ids for m in self.model.moe_layers],
             "device": str(self.device),
             "compile": self.compile_stats(),
+            "compile_error": self.compile_error,
             **(self.stash.report() if self.stash is not None else {}),
             **(self.drafter.memory_report() if self.drafter is not None else {}),
         }

@@ -24,13 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def one_run(mode: str, out_dir: str, cold: bool) -> dict:
     env = dict(os.environ)
-    if cold:
-        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dspark_cluster.cli", "run", "--set", f"model.compile={mode}",
-                    "--set", f"report.out_dir={out_dir}", "--set", f"report.name=run_{mode}", "--no-progress"],
-                   cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        if cold:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "dspark_cluster.cli", "run", "--set", f"model.compile={mode}",
+                            "--set", f"report.out_dir={out_dir}", "--set", f"report.name=run_{mode}", "--no-progress"],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+    if p.returncode:
+        raise SystemExit(f"dspark run (model.compile={mode}) failed:\n{p.stderr[-4000:]}")
     report = json.loads(next(Path(out_dir).glob(f"run_{mode}*/report.json")).read_text())
     summary = report["summary"]
     comp = summary.get("compile") or {}

@@ -114,8 +114,13 @@ def compiled_rows(path: str, spec, steps: int, rows=COMPILED_ROWS) -> dict:
         from dspark_cluster.model.compiled import CompiledSteps, step_buckets
     except ImportError:
         return {}
+    bad = [(b, q) for b, q in rows if q > 128 or b * q > 512]
+    if bad:
+        raise SystemExit(f"--rows {bad}: a step here is at most 128 new tokens a sequence (context 128) and 512 in all "
+                         "(the largest bucket)")
     model = load_model(path, spec)
-    allocate_kv_cache(model, 64 * 9, 16, torch.device("cpu"))
+    # the pool every row's step reads (the graphs read the cache they were compiled with: never reallocated after)
+    allocate_kv_cache(model, max(64, *(b for b, _ in rows)) * 9, 16, torch.device("cpu"))
     runner = CompiledSteps(model, step_buckets(512), "cpu")
     runner.warm_up()
     out = {}

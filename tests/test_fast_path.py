@@ -306,8 +306,9 @@ def test_compiled_decode_is_token_identical_to_eager_and_never_recompiles():
 
 def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, caplog):
     """model.compile auto: on for CUDA, off on a CPU (BENCHMARKS.md, session 37). Where auto compiles and inductor
-    cannot build (its C++ compiler missing: a real build failure), the worker serves eager with a warning, greedy
-    tokens as eager's; `on` raises. (Auto compiles on CUDA only: here the policy is made to compile on this CPU.)"""
+    cannot build (its C++ compiler missing: a real build failure), a one-rank worker serves eager with a warning,
+    greedy tokens as eager's, and the run's compile summary says why; `on` raises (and so does auto across ranks, whose
+    warm-up runs the collectives). (Auto compiles on CUDA only: here the policy is made to compile on this CPU.)"""
     import logging
 
     import dspark_cluster.engine
@@ -338,10 +339,26 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
         assert llm.engine.executor.worker.compiled is None and llm.engine.compile_buckets == [1, 2]
         assert "did not compile" in caplog.text and "C++ compiler" in caplog.text
         assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+        llm.engine.device_reports()  # (read as a run's report reads them: with its cost ledger)
+        summary = llm.engine.compile_summary()  # the run's report says so
+        assert "C++ compiler" in summary["error"], summary
+        from dspark_cluster.report import format_summary
+        assert "eager: the compile failed" in format_summary({"compile": summary})
     finally:
         llm.shutdown()
     with pytest.raises(Exception, match="C\\+\\+ compiler"):
         LLM(str(TINY_MOE), config={**cfg, "model": {"dtype": "float32", "compile": "on"}})
+    # a rank of two under auto raises too (the rule alone: this worker's world read as two, its peer absent)
+    from dspark_cluster.config import load_config
+    from dspark_cluster.worker import Worker, WorkerConfig
+
+    worker = Worker(WorkerConfig.of(load_config({**cfg, "model": {"path": str(TINY_MOE), "dtype": "float32",
+                                                                  "compile": "auto"}})),
+                    load_spec(str(TINY_MOE), "float32"), "cpu")
+    worker.world_size = 2
+    with pytest.raises(Exception, match="C\\+\\+ compiler"):
+        worker.allocate_kv(16)
+    worker.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["tiny-moe", "qwen3_moe"])

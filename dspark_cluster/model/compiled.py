@@ -84,10 +84,10 @@ def bucket_of(n: int, buckets: list[int]) -> int:
 def resolve_compile(setting: str, device) -> bool:
     """model.compile -> on or off, for the target's steps and the drafter's rounds alike. auto: on for CUDA (graphs
     replay a step's thousands of launches); off on a CPU: there a compiled step measured faster at batch 1 (TPOT
-    0.69-0.77x) and in batch-64 serving (1.04-1.06x), but the default job (32 requests at once) ran at par (0.98x
-    its throughput) and took 1.7-1.8x its wall time with inductor's cache warm, 6.2x cold (BENCHMARKS.md, issue 27, sessions
-    34 and 37): `on` for a long-lived CPU server at low batch. A worker whose compile fails under auto runs eager
-    (`Worker.allocate_kv`)."""
+    0.77-0.79x eager's) and in batch-64 serving (1.04-1.06x), but the default job (32 requests at once) ran at par
+    (0.98x its throughput) and took 1.7-1.8x its wall time with inductor's cache warm, 6.2x cold (BENCHMARKS.md, issue
+    27, sessions 34 and 37): `on` for a long-lived CPU server at low batch. Under auto, a one-rank worker whose steps
+    fail to compile at start-up runs them eager (`Worker.allocate_kv`); the drafter's rounds have no such fallback."""
     if setting == "auto":
         return torch.device(device).type == "cuda"
     return setting == "on"
