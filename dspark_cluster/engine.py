@@ -519,12 +519,15 @@ class LLMEngine:
     def compile_summary(self) -> Optional[dict]:
         """model.compile over the target's ranks, from their reports as last read (None: off): the buckets, the
         warm-up's seconds (the slowest rank's) and graphs, and what was compiled or recorded after it (issue 27's
-        goal: nothing); {"error": why} where the steps run eager under auto because their compile failed."""
+        goal: nothing); "error" / "draft_error": why the steps / a drafter's rounds on the target run eager under auto
+        (their compile failed)."""
         reports = (self.meter.reports or ([], []))[0]
         ranks = [d["compile"] for d in reports if d.get("compile")]
+        errors = {key: next((d[field] for d in reports if d.get(field)), None)
+                  for key, field in (("error", "compile_error"), ("draft_error", "draft_compile_error"))}
+        errors = {k: v for k, v in errors.items() if v}
         if not ranks:
-            errors = [d["compile_error"] for d in reports if d.get("compile_error")]
-            return {"error": errors[0]} if errors else None
+            return errors or None
 
         def total(key):
             values = [r.get(key) for r in ranks]
@@ -541,7 +544,7 @@ class LLMEngine:
                     "draft_rounds": sum(r["draft_compile_rounds"] for r in ranks if "draft_compile_rounds" in r),
                     "draft_recompiles_after_warm_up": sum(r["draft_compile_recompiles_after_warm_up"] for r in ranks
                                                           if "draft_compile_rounds" in r)}
-                   if any("draft_compile_rounds" in r for r in ranks) else {})}
+                   if any("draft_compile_rounds" in r for r in ranks) else {}), **errors}
 
     def speculative_summary(self) -> Optional[dict]:
         return self.speculation.summary() if self.speculation is not None else None

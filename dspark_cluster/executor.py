@@ -96,7 +96,8 @@ def target_device_report(report: dict, kind: str, group: int, kv_bytes_per_block
             # that drafter's start-up profile: rows -> seconds of a drafting call (the verify planner's prior)
             "drafter_profile": report.get("drafter_profile"),
             "compile": report.get("compile"),  # model.compile's stats on this rank (None: off)
-            "compile_error": report.get("compile_error")}  # why its steps run eager under auto (None: they did not fail)
+            # why its steps / a drafter's rounds on it run eager under auto (None: they did not fail)
+            "compile_error": report.get("compile_error"), "draft_compile_error": report.get("draft_compile_error")}
 
 
 def resolve_for_executor(cfg: Config) -> Config:

@@ -132,7 +132,9 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
     comp = s.get("compile")
     if comp and "error" in comp:
         rows.append(("model.compile", f"eager: the compile failed ({comp['error']})"))
-    elif comp:
+    if comp and "draft_error" in comp:
+        rows.append(("model.compile, the drafter", f"eager: the compile failed ({comp['draft_error']})"))
+    if comp and "buckets" in comp:
         cuda, verify = comp.get("cuda_graphs_after_warm_up"), comp.get("compiled_verify_steps")
         rows.append(("model.compile", f"{len(comp['buckets'])} buckets, warm-up {_num(comp['warm_up_s'], 1, '.1f')} s "
                      f"({comp['warm_up_graphs']} graphs); after it {comp['recompiles_after_warm_up']} recompiles"

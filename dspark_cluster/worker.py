@@ -146,7 +146,8 @@ class Worker:
                                          cfg.context_window, cfg.draft_passes,
                                          (self.model.model.embed_tokens.weight, self.model.lm_head.weight),
                                          draft_buckets(cfg.scheduler.max_num_seqs)
-                                         if resolve_compile(cfg.model.compile, self.device) else None)
+                                         if resolve_compile(cfg.model.compile, self.device) else None,
+                                         eager_if_compile_fails=cfg.model.compile == "auto")
 
     # -- KV --------------------------------------------------------------------------------------
 
@@ -281,6 +282,7 @@ class Worker:
             "device": str(self.device),
             "compile": self.compile_stats(),
             "compile_error": self.compile_error,
+            "draft_compile_error": self.drafter.compile_error() if self.drafter is not None else None,
             **(self.stash.report() if self.stash is not None else {}),
             **(self.drafter.memory_report() if self.drafter is not None else {}),
         }
@@ -288,7 +290,7 @@ class Worker:
     def compile_stats(self) -> dict | None:
         """model.compile's stats: the target's steps' and, with the drafter on the target, its rounds' (None: compile
         off)."""
-        if self.compiled is None:
+        if self.compiled is None:  # (a drafter's compiled rounds beside eager steps: the target's fallback, below)
             return None
         return {**self.compiled.stats(), **(self.drafter.compile_stats() if self.drafter is not None else {})}
 

@@ -348,6 +348,22 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
         llm.shutdown()
     with pytest.raises(Exception, match="C\\+\\+ compiler"):
         LLM(str(TINY_MOE), config={**cfg, "model": {"dtype": "float32", "compile": "on"}})
+    # a DSpark drafter on the target: its rounds fall back as well (no collective in a round), outputs unchanged
+    spec_cfg = {**cfg, "model": {"dtype": "float32", "compile": "auto"},
+                "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4, "placement": "target"}}
+    llm = LLM(str(TINY_MOE), config=spec_cfg)
+    try:
+        drafter = llm.engine.executor.worker.drafter
+        assert drafter.proposer.compiled is None and "C++ compiler" in drafter.compile_error()
+        assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+        llm.engine.device_reports()
+        summary = llm.engine.compile_summary()
+        assert "C++ compiler" in summary["error"] and "C++ compiler" in summary["draft_error"], summary
+        assert format_summary({"compile": summary}).count("eager: the compile failed") == 2  # the steps, the rounds
+    finally:
+        llm.shutdown()
+    with pytest.raises(Exception, match="C\\+\\+ compiler"):  # (the drafter's rounds raise first under on)
+        LLM(str(TINY_MOE), config={**spec_cfg, "model": {"dtype": "float32", "compile": "on"}})
     # a rank of two under auto raises too (the rule alone: this worker's world read as two, its peer absent)
     from dspark_cluster.config import load_config
     from dspark_cluster.worker import Worker, WorkerConfig

@@ -87,7 +87,8 @@ def resolve_compile(setting: str, device) -> bool:
     0.77-0.79x eager's) and in batch-64 serving (1.04-1.06x), but the default job (32 requests at once) ran at par
     (0.98x its throughput) and took 1.7-1.8x its wall time with inductor's cache warm, 6.2x cold (BENCHMARKS.md, issue
     27, sessions 34 and 37): `on` for a long-lived CPU server at low batch. Under auto, a one-rank worker whose steps
-    fail to compile at start-up runs them eager (`Worker.allocate_kv`); the drafter's rounds have no such fallback."""
+    fail to compile at start-up runs them eager (`Worker.allocate_kv`), and so does a DSpark drafter its rounds
+    (`DSparkProposer`)."""
     if setting == "auto":
         return torch.device(device).type == "cuda"
     return setting == "on"

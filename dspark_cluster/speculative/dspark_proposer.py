@@ -15,6 +15,7 @@ confidence.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from .compiled_draft import CompiledDraft
 from .records import ContextRows, RoundRecords
 from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolve_draft_passes, target_tables,
                            tensor_fingerprint)
+
+log = logging.getLogger(__name__)
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
@@ -85,9 +88,11 @@ def check_against_target(c: DSparkConfig, spec, embed, lm_head, path) -> None:
 
 class DSparkProposer:
     def __init__(self, path, target_path, target_spec, device="cpu", num_tokens: int = 4, calibrate: bool = False,
-                 context_window="auto", draft_passes="auto", target_tables_held=None, compile_buckets=None):
+                 context_window="auto", draft_passes="auto", target_tables_held=None, compile_buckets=None,
+                 eager_if_compile_fails: bool = False):
         """compile_buckets: batch sizes greedy rounds are compiled for (model.compile on: `compiled_draft`), or
-        None (eager)."""
+        None (eager). eager_if_compile_fails (model.compile auto): a compile that fails leaves the rounds eager, with
+        a warning and the reason in `compile_error`, instead of raising."""
         path = Path(path)
         c = DSparkConfig.load(path / "config.json")
         # a block reads the latest `window` context rows before its anchor (speculative.context_window)
@@ -135,10 +140,18 @@ class DSparkProposer:
         self.version = 0
         self.staged: dict[int, dict] = {0: {k: v.detach().clone() for k, v in self.model.state_dict().items()}} \
             if calibrate else {}
-        self.compiled = None
+        self.compiled = self.compile_error = None
         if compile_buckets:
-            self.compiled = CompiledDraft(self, compile_buckets, num_tokens)
-            self.compiled.warm_up()
+            try:
+                self.compiled = CompiledDraft(self, compile_buckets, num_tokens)
+                self.compiled.warm_up()
+            except torch._dynamo.exc.TorchDynamoException as e:  # (inductor's too; a round runs no collective)
+                if not eager_if_compile_fails:
+                    raise
+                self.compiled = None
+                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("model.compile auto: the drafter's rounds did not compile (%s); they run eager",
+                            self.compile_error)
 
     # ---- context ----------------------------------------------------------------------------
     @torch.inference_mode()

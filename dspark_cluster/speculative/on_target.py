@@ -55,7 +55,7 @@ def profile_calls(prepare, call, free, rows=PROFILE_ROWS, repeats: int = 3) -> d
 
 class TargetDrafter:
     def __init__(self, draft_model: str, target_path: str, target_spec, device, num_tokens: int, context_window,
-                 draft_passes=1, target_tables_held=None, compile_buckets=None):
+                 draft_passes=1, target_tables_held=None, compile_buckets=None, eager_if_compile_fails=False):
         """target_tables_held: this rank's embedding and LM head weights, which the drafter reads in place where
         they are the whole vocabulary (no tensor parallelism); compile_buckets: the batch sizes its greedy rounds
         are compiled for (model.compile on), or None."""
@@ -63,7 +63,8 @@ class TargetDrafter:
                                                                  num_tokens, context_window=context_window,
                                                                  draft_passes=draft_passes,
                                                                  target_tables_held=target_tables_held,
-                                                                 compile_buckets=compile_buckets)
+                                                                 compile_buckets=compile_buckets,
+                                                                 eager_if_compile_fails=eager_if_compile_fails)
         # seq_id -> (sequence length the proposal continues, its tokens [k] (host), its draft law [k, V] (a
         # view of its batch's on the device)), for the sampled rows' latest proposals
         self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -241,6 +242,10 @@ class TargetDrafter:
         """The drafter's compiled rounds (`CompiledDraft.stats`; {} where they run eager)."""
         p = self.proposer
         return p.compiled.stats() if p is not None and p.compiled is not None else {}
+
+    def compile_error(self) -> Optional[str]:
+        """Why the rounds run eager under model.compile auto (their compile failed), or None."""
+        return self.proposer.compile_error if self.proposer is not None else None
 
     def take_error(self) -> Optional[str]:
         err, self.error = self.error, None

@@ -295,5 +295,6 @@ def make_proposer(cfg, target_spec: ModelSpec, device="cpu", comm=None):
                               calibrate=sp.calibration.enabled, context_window=sp.context_window,
                               draft_passes=draft_passes_of(cfg),
                               compile_buckets=draft_buckets(cfg.scheduler.max_num_seqs)
-                              if resolve_compile(cfg.model.compile, device) else None)
+                              if resolve_compile(cfg.model.compile, device) else None,
+                              eager_if_compile_fails=cfg.model.compile == "auto")
     raise ConfigError(f"speculative.method: {sp.method!r} is not available; use ngram, draft_model or dspark")
