@@ -57,8 +57,8 @@ class ModelConfig(_Section):
     # fp8 checkpoints: auto = dequantize (each shard's slices, at load, to `dtype`) until a GPU run
     # shows that fp8 matmuls pay; fp8 (keep the weights in fp8) is refused until it exists
     weights: Literal["auto", "dequantize", "fp8"] = "auto"
-    # steps through torch.compile, padded to token buckets (CUDA graphs on CUDA); auto: on for CUDA
-    # (one rank whose steps fail to compile runs eager), off on CPU (model/compiled.py says why)
+    # steps through torch.compile, padded to token buckets (CUDA graphs on CUDA); auto: on for CUDA (one rank
+    # whose steps, or a drafter whose rounds, fail to compile runs eager), off on CPU (model/compiled.py says why)
     compile: Switch = "auto"
 
     @model_validator(mode="after")

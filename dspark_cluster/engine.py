@@ -528,17 +528,18 @@ class LLMEngine:
         errors = {k: v for k, v in errors.items() if v}
         if not ranks:
             return errors or None
+        steps = [r for r in ranks if "compile_buckets" in r]  # (none: the steps' compile failed, the rounds' did not)
 
         def total(key):
-            values = [r.get(key) for r in ranks]
+            values = [r.get(key) for r in steps]
             return None if any(v is None for v in values) else sum(values)
 
-        return {"ranks": len(ranks), "buckets": ranks[0]["compile_buckets"],
-                "warm_up_s": max(r["compile_warm_up_s"] for r in ranks),
-                "warm_up_graphs": total("compile_warm_up_graphs"),
-                "compiled_steps": total("compile_steps"), "compiled_verify_steps": total("compile_verify_steps"),
-                "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
-                "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up"),
+        return {**({"ranks": len(steps), "buckets": steps[0]["compile_buckets"],
+                    "warm_up_s": max(r["compile_warm_up_s"] for r in steps),
+                    "warm_up_graphs": total("compile_warm_up_graphs"),
+                    "compiled_steps": total("compile_steps"), "compiled_verify_steps": total("compile_verify_steps"),
+                    "recompiles_after_warm_up": total("compile_recompiles_after_warm_up"),
+                    "cuda_graphs_after_warm_up": total("compile_cuda_graphs_after_warm_up")} if steps else {}),
                 # the drafter's rounds on the target's driver ranks (compiled_draft; absent: none there)
                 **({"draft_warm_up_s": max(r["draft_compile_warm_up_s"] for r in ranks if "draft_compile_rounds" in r),
                     "draft_rounds": sum(r["draft_compile_rounds"] for r in ranks if "draft_compile_rounds" in r),

@@ -141,9 +141,9 @@ def format_summary(summary: dict, cost: Optional[dict] = None) -> str:
                      + ("" if cuda is None else f", {cuda} CUDA graphs")
                      + f", {comp['compiled_steps']} compiled steps"
                      + (f" ({verify} verifying drafts)" if verify else "")))
-        if "draft_rounds" in comp:
-            rows.append(("model.compile, the drafter", f"warm-up {_num(comp['draft_warm_up_s'], 1, '.1f')} s; "
-                         f"{comp['draft_rounds']} compiled rounds, {comp['draft_recompiles_after_warm_up']} recompiles"))
+    if comp and "draft_rounds" in comp:
+        rows.append(("model.compile, the drafter", f"warm-up {_num(comp['draft_warm_up_s'], 1, '.1f')} s; "
+                     f"{comp['draft_rounds']} compiled rounds, {comp['draft_recompiles_after_warm_up']} recompiles"))
     spec = s.get("speculative")
     if spec:
         acc = " ".join(_num(a, 1, ".2f") for a in spec["acceptance_by_position"])

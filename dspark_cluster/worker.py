@@ -290,9 +290,10 @@ class Worker:
     def compile_stats(self) -> dict | None:
         """model.compile's stats: the target's steps' and, with the drafter on the target, its rounds' (None: compile
         off)."""
-        if self.compiled is None:  # (a drafter's compiled rounds beside eager steps: the target's fallback, below)
-            return None
-        return {**self.compiled.stats(), **(self.drafter.compile_stats() if self.drafter is not None else {})}
+        drafter = self.drafter.compile_stats() if self.drafter is not None else {}
+        if self.compiled is None:  # (eager steps beside compiled rounds: the steps' compile failed under auto)
+            return drafter or None
+        return {**self.compiled.stats(), **drafter}
 
     def comm_stats(self) -> dict:
         return self.state.stats.snapshot() if self.state is not None else {}

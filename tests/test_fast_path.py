@@ -350,20 +350,37 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
         LLM(str(TINY_MOE), config={**cfg, "model": {"dtype": "float32", "compile": "on"}})
     # a DSpark drafter on the target: its rounds fall back as well (no collective in a round), outputs unchanged
     spec_cfg = {**cfg, "model": {"dtype": "float32", "compile": "auto"},
-                "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4, "placement": "target"}}
-    llm = LLM(str(TINY_MOE), config=spec_cfg)
+                "speculative": {"method": "dspark", "draft_model": "tiny-dspark", "num_tokens": 4, "placement": "target",
+                                "schedule": "static"}}
+    with caplog.at_level(logging.WARNING, logger="dspark_cluster.speculative.dspark_proposer"):
+        llm = LLM(str(TINY_MOE), config=spec_cfg)
     try:
         drafter = llm.engine.executor.worker.drafter
         assert drafter.proposer.compiled is None and "C++ compiler" in drafter.compile_error()
+        assert "the drafter's rounds did not compile" in caplog.text
         assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+        # the eager rounds drafted (a drafter that failed would be dropped, and outputs would be the same)
+        assert drafter.alive and llm.engine.speculative_summary()["num_drafted_positions"] > 0
         llm.engine.device_reports()
         summary = llm.engine.compile_summary()
         assert "C++ compiler" in summary["error"] and "C++ compiler" in summary["draft_error"], summary
         assert format_summary({"compile": summary}).count("eager: the compile failed") == 2  # the steps, the rounds
+        # the steps eager beside compiled rounds (their compile failed, the rounds' did not): both said
+        llm.engine.meter.reports = ([{"compile": {"draft_compile_rounds": 3, "draft_compile_warm_up_s": 1.5,
+                                                  "draft_compile_recompiles_after_warm_up": 0},
+                                      "compile_error": "InductorError: x"}], [])
+        mixed = llm.engine.compile_summary()
+        assert mixed == {"draft_warm_up_s": 1.5, "draft_rounds": 3, "draft_recompiles_after_warm_up": 0,
+                         "error": "InductorError: x"}, mixed
+        printed = format_summary({"compile": mixed})
+        assert "eager: the compile failed (InductorError: x)" in printed and "3 compiled rounds" in printed
     finally:
         llm.shutdown()
-    with pytest.raises(Exception, match="C\\+\\+ compiler"):  # (the drafter's rounds raise first under on)
-        LLM(str(TINY_MOE), config={**spec_cfg, "model": {"dtype": "float32", "compile": "on"}})
+    from dspark_cluster.speculative.dspark_proposer import DSparkProposer
+
+    with pytest.raises(Exception, match="C\\+\\+ compiler"):  # under on (the engine passes False), the rounds raise
+        DSparkProposer(ASSETS_DIR / "tiny-dspark", str(TINY_MOE), load_spec(str(TINY_MOE), "float32"), "cpu", 4,
+                       compile_buckets=[1, 2], eager_if_compile_fails=False)
     # a rank of two under auto raises too (the rule alone: this worker's world read as two, its peer absent)
     from dspark_cluster.config import load_config
     from dspark_cluster.worker import Worker, WorkerConfig

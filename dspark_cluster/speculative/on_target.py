@@ -65,6 +65,7 @@ class TargetDrafter:
                                                                  target_tables_held=target_tables_held,
                                                                  compile_buckets=compile_buckets,
                                                                  eager_if_compile_fails=eager_if_compile_fails)
+        self._compile_error = self.proposer.compile_error
         # seq_id -> (sequence length the proposal continues, its tokens [k] (host), its draft law [k, V] (a
         # view of its batch's on the device)), for the sampled rows' latest proposals
         self.laws: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -244,8 +245,9 @@ class TargetDrafter:
         return p.compiled.stats() if p is not None and p.compiled is not None else {}
 
     def compile_error(self) -> Optional[str]:
-        """Why the rounds run eager under model.compile auto (their compile failed), or None."""
-        return self.proposer.compile_error if self.proposer is not None else None
+        """Why the rounds run eager under model.compile auto (their compile failed), or None (kept past a later
+        failure that drops the proposer)."""
+        return self._compile_error
 
     def take_error(self) -> Optional[str]:
         err, self.error = self.error, None
