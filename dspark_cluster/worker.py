@@ -19,7 +19,6 @@ the engine already read, so no worker re-reads or re-validates the whole config.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -29,14 +28,12 @@ import torch
 from .config import Config, ModelConfig, ParallelConfig, SchedulerConfig
 from .heap import freeze_heap, unfreeze_heap
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, peak_bytes_during, plan_num_blocks
-from .model.compiled import CompiledSteps, compile_buckets, resolve_compile
+from .model.compiled import CompiledSteps, compile_buckets, compiled_or_eager, resolve_compile
 from .model.loader import load_model
 from .model.spec import ModelSpec
 from .step import StepOutput
 from .step_builder import memory_profile_steps
 from .step_exec import execute_step
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -205,18 +202,15 @@ class Worker:
         # all-to-all from the bucket a step is padded to (LLMEngine.compile_buckets)
         if resolve_compile(self.cfg.model.compile, self.device):
             captures = ((), tuple(self.cfg.export_layers)) if self.cfg.export_layers else ((),)
-            try:
-                self.compiled = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
-                self.compiled.warm_up()
-            except torch._dynamo.exc.TorchDynamoException as e:  # (inductor's too: no compiler here, an op it cannot
-                # lower). auto on one rank: eager steps. Not across ranks: the warm-up's steps run the collectives,
-                # so a rank that stops compiling would leave its peers waiting in one, or serve other shapes than theirs
-                if self.cfg.model.compile == "on" or self.world_size > 1:
-                    raise
-                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                log.warning("model.compile auto: the steps did not compile on %s (%s); they run eager", self.device,
-                            self.compile_error)
-                self.compiled = None
+
+            def make():
+                runner = CompiledSteps(self.model, self.cfg.compile_buckets, self.device, captures)
+                runner.warm_up()
+                return runner
+            # eager on a failed compile under auto, on one rank only: the warm-up's steps run the collectives, so a
+            # rank that stopped compiling would leave its peers waiting in one, or serve other shapes than theirs
+            self.compiled, self.compile_error = compiled_or_eager(
+                make, self.cfg.model.compile == "auto" and self.world_size == 1, f"the steps on {self.device}")
         freeze_heap()  # this rank's start-up done: no full collection walks it again (heap.py)
         return kv_bytes_per_block(self.model, block_size)
 

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from dspark_cluster.speculative import confidence  # noqa: E402
+from dspark_cluster.speculative.records import Proposal  # noqa: E402
 from dspark_cluster.speculative.verify_budget import StepCost, VerifyPlanner, choose_verify_lengths  # noqa: E402
 
 
@@ -86,8 +87,8 @@ def replay(rounds: dict, variant: str, budget: Optional[tuple] = None, method: s
         tokens, step_time = 0, 0.0  # with a budget: tokens the simulated steps committed, their time in decode steps
         for n in rounds["step_rows"].tolist():
             c, v, a, ids = conf[start : start + n], ver[start : start + n], acc[start : start + n], seqs[start : start + n]
-            if method == "ngram":  # its raw confidences are the planner's rates of the moment: this planner's
-                c = np.where(np.isnan(c), np.nan, np.clip(planner._rates, 1e-4, 1 - 1e-4)[None, :])
+            if method == "ngram":  # its raw confidences are the rates of the moment: this planner's, as live
+                c = planner.raw_confidences([Proposal([0] * int(m)) for m in (~np.isnan(c)).sum(1)])
             if budget is not None:
                 beta, draft_s, full_every = budget
                 lengths = choose_verify_lengths(planner.calibrated_survival(c, offsets=planner.sequence_offsets(ids)),

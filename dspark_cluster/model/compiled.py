@@ -94,6 +94,20 @@ def resolve_compile(setting: str, device) -> bool:
     return setting == "on"
 
 
+def compiled_or_eager(make, eager_if_fails: bool, what: str):
+    """make() -> a compiled runner, warmed up. (runner, None); or, where its compile fails (dynamo's or inductor's
+    errors: no compiler on this host, an op it cannot lower) and eager_if_fails (model.compile auto), (None, the
+    reason) with a warning: the caller runs `what` eager. Raises otherwise."""
+    try:
+        return make(), None
+    except torch._dynamo.exc.TorchDynamoException as e:
+        if not eager_if_fails:
+            raise
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("model.compile auto: %s did not compile (%s); they run eager", what, reason)
+        return None, reason
+
+
 def _counter(group: str, name: str) -> int:
     """One of dynamo's / inductor's process-wide counters."""
     from torch._dynamo.utils import counters

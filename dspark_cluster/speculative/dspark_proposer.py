@@ -15,7 +15,6 @@ confidence.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..model.compiled import compiled_or_eager
 from ..model.gemm import detached, reorder_tensors
 from ..sampling import DRAFT, filter_logits, race_sample
 from .records import Proposal
@@ -31,8 +31,6 @@ from .compiled_draft import CompiledDraft
 from .records import ContextRows, RoundRecords
 from .dspark_model import (DSparkConfig, context_window_of, load_drafter, resolve_draft_passes, target_tables,
                            tensor_fingerprint)
-
-log = logging.getLogger(__name__)
 
 # rows that arrive past a gap (a later chunk before an earlier one: the drafter actor serves two
 # callers) wait for the gap to fill; a sequence with more pending than this has lost rows for good
@@ -141,17 +139,12 @@ class DSparkProposer:
         self.staged: dict[int, dict] = {0: {k: v.detach().clone() for k, v in self.model.state_dict().items()}} \
             if calibrate else {}
         self.compiled = self.compile_error = None
-        if compile_buckets:
-            try:
-                self.compiled = CompiledDraft(self, compile_buckets, num_tokens)
-                self.compiled.warm_up()
-            except torch._dynamo.exc.TorchDynamoException as e:  # (inductor's too; a round runs no collective)
-                if not eager_if_compile_fails:
-                    raise
-                self.compiled = None
-                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                log.warning("model.compile auto: the drafter's rounds did not compile (%s); they run eager",
-                            self.compile_error)
+        if compile_buckets:  # (a round runs no collective: eager alone is safe)
+            def make():
+                runner = CompiledDraft(self, compile_buckets, num_tokens)
+                runner.warm_up()
+                return runner
+            self.compiled, self.compile_error = compiled_or_eager(make, eager_if_compile_fails, "the drafter's rounds")
 
     # ---- context ----------------------------------------------------------------------------
     @torch.inference_mode()
