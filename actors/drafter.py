@@ -88,6 +88,8 @@ class Drafter:
             "device": str(self.device),
             "node_id": ray.get_runtime_context().get_node_id(),
             "param_bytes": 0,
+            # why the rounds run eager under model.compile auto (their compile failed): into the run's compile summary
+            "compile_error": getattr(self.proposer, "compile_error", None),
         }
         if hasattr(self.proposer, "memory_report"):  # a draft model (n-gram lookup holds none)
             out.update(self.proposer.memory_report())

@@ -296,7 +296,8 @@ class RayDrafterGroup:
         peak) and the calibrator (its drafter copies, optimiser state, versions and replay buffer)."""
         out = [{"role": "drafter", "rank": r["rank"], "kind": device_kind(r["device"]),
                 "memory": {"drafter_weights": r.get("param_bytes", 0), "drafter_kv": r.get("kv_bytes", 0),
-                           "drafter_weights_reordered": r.get("reordered_bytes", 0)}}
+                           "drafter_weights_reordered": r.get("reordered_bytes", 0)},
+                "compile_error": r.get("compile_error")}
                for r in self._gather([a.report.remote() for a in self.actors], self.timeout_s)]
         if self.calibrator is not None:
             m = self._gather([self.calibrator.memory_report.remote()], self.timeout_s)[0]

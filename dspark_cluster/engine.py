@@ -519,12 +519,13 @@ class LLMEngine:
     def compile_summary(self) -> Optional[dict]:
         """model.compile over the target's ranks, from their reports as last read (None: off): the buckets, the
         warm-up's seconds (the slowest rank's) and graphs, and what was compiled or recorded after it (issue 27's
-        goal: nothing); "error" / "draft_error": why the steps / a drafter's rounds on the target run eager under auto
-        (their compile failed)."""
-        reports = (self.meter.reports or ([], []))[0]
+        goal: nothing); "error" / "draft_error": why the steps / a drafter's rounds (on the target, in process or in a
+        drafter group) run eager under auto (their compile failed)."""
+        reports, drafters = self.meter.reports or ([], [])
         ranks = [d["compile"] for d in reports if d.get("compile")]
-        errors = {key: next((d[field] for d in reports if d.get(field)), None)
-                  for key, field in (("error", "compile_error"), ("draft_error", "draft_compile_error"))}
+        draft_sources = [(d, "draft_compile_error") for d in reports] + [(d, "compile_error") for d in drafters]
+        errors = {"error": next((d["compile_error"] for d in reports if d.get("compile_error")), None),
+                  "draft_error": next((d[field] for d, field in draft_sources if d.get(field)), None)}
         errors = {k: v for k, v in errors.items() if v}
         if not ranks:
             return errors or None

@@ -312,6 +312,7 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
     import logging
 
     import dspark_cluster.engine
+    import dspark_cluster.speculative.proposers
     import dspark_cluster.worker
     import torch._inductor.config as inductor_config
     from dspark_cluster import LLM, SamplingParams
@@ -329,7 +330,7 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
 
     def compiles_here(setting, device):  # auto as on CUDA
         return setting in ("auto", "on")
-    for module in (dspark_cluster.worker, dspark_cluster.engine):
+    for module in (dspark_cluster.worker, dspark_cluster.engine, dspark_cluster.speculative.proposers):
         monkeypatch.setattr(module, "resolve_compile", compiles_here)
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # (a cached graph would need no compiler)
@@ -374,6 +375,19 @@ def test_auto_runs_eager_where_the_compile_fails_and_on_raises(monkeypatch, capl
                          "error": "InductorError: x"}, mixed
         printed = format_summary({"compile": mixed})
         assert "eager: the compile failed (InductorError: x)" in printed and "3 compiled rounds" in printed
+    finally:
+        llm.shutdown()
+    # a DSpark drafter in the engine's process (placement group: `make_proposer`): its rounds fall back too, and the
+    # run's summary reads why from the drafter group's report (a Ray group's drafters report it the same way)
+    llm = LLM(str(TINY_MOE), config={**spec_cfg, "speculative": {**spec_cfg["speculative"], "placement": "group"}})
+    try:
+        proposer = llm.engine.drafter.backend.proposer
+        assert proposer.compiled is None and "C++ compiler" in proposer.compile_error
+        assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+        assert llm.engine.speculative_summary()["num_drafted_positions"] > 0
+        llm.engine.device_reports()
+        summary = llm.engine.compile_summary()
+        assert "C++ compiler" in summary["error"] and "C++ compiler" in summary["draft_error"], summary
     finally:
         llm.shutdown()
     from dspark_cluster.speculative.dspark_proposer import DSparkProposer

@@ -149,7 +149,9 @@ class LocalDrafterGroup:
                   "drafter_weights_reordered": report.get("reordered_bytes", 0)}
         if self.calibrator is not None:
             memory["calibrator_state"] = self.calibrator.memory_report()["total"]
-        return [{"role": "drafter", "shares_device": True, "memory": memory}]
+        # why the rounds run eager under model.compile auto (their compile failed; the run's compile summary says so)
+        return [{"role": "drafter", "shares_device": True, "memory": memory,
+                 "compile_error": getattr(self.proposer, "compile_error", None)}]
 
     def comm_stats(self) -> list[dict]:
         return []
