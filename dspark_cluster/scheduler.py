@@ -205,8 +205,8 @@ class Scheduler:
     def _lookahead(self, seq: Sequence, budget_left: int) -> int:
         """Draft slots for a decode row: none when speculation is off (globally or for the
         request), and never past max_tokens, max_model_len or the step's token budget."""
-        if not (self.speculation_enabled and seq.params.speculative):
-            return 0
+        if not (self.lookahead and self.speculation_enabled and seq.params.speculative):
+            return 0  # (the lookahead first: a step the plan drafts nothing in reads no row's params)
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         k = self.lookahead if seq.params.num_speculative_tokens is None else min(self.lookahead, seq.params.num_speculative_tokens)
         return max(0, min(k, room, budget_left))
