@@ -523,10 +523,10 @@ class LLMEngine:
         drafter group) run eager under auto (their compile failed)."""
         reports, drafters = self.meter.reports or ([], [])
         ranks = [d["compile"] for d in reports if d.get("compile")]
-        draft_sources = [(d, "draft_compile_error") for d in reports] + [(d, "compile_error") for d in drafters]
-        errors = {"error": next((d["compile_error"] for d in reports if d.get("compile_error")), None),
-                  "draft_error": next((d[field] for d, field in draft_sources if d.get(field)), None)}
-        errors = {k: v for k, v in errors.items() if v}
+        errors = {"error": [d.get("compile_error") for d in reports],
+                  "draft_error": [d.get("draft_compile_error") for d in reports]
+                  + [d.get("compile_error") for d in drafters]}
+        errors = {k: next(e for e in v if e) for k, v in errors.items() if any(v)}  # (the first rank's reason)
         if not ranks:
             return errors or None
         steps = [r for r in ranks if "compile_buckets" in r]  # (none: the steps' compile failed, the rounds' did not)
